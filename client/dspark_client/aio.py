@@ -1,0 +1,76 @@
+"""asyncio client (grpc.aio); same behaviour as client.Client."""
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from .channel import TlsConfig, open_aio_channel
+from .errors import from_rpc_error
+from .proto_gen.v1 import generation_pb2 as pb
+from .proto_gen.v1 import generation_pb2_grpc
+from .request import build_request
+from .retry import Deadline, RetryPolicy, retry_delay
+from .types import Chunk, GenerationResult, collect
+
+Metadata = Sequence[tuple[str, str]]
+
+
+class AsyncClient:
+    """`async with AsyncClient("host:port") as c: r = await c.generate("Hello")`."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        tls: TlsConfig | None = None,
+        timeout: float | None = None,
+        retry: RetryPolicy = RetryPolicy(),
+        metadata: Metadata = (),
+        options: Sequence[tuple[str, object]] = (),
+    ):
+        self.address = address
+        self.timeout = timeout
+        self.retry = retry
+        self.metadata = tuple(metadata)
+        self._channel = open_aio_channel(address, tls, options)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+
+    async def generate_stream(
+        self, prompt: str | None = None, *, timeout: float | None = None, metadata: Metadata = (), **params
+    ) -> AsyncIterator[Chunk]:
+        request = build_request(prompt, **params)
+        deadline = Deadline(timeout if timeout is not None else self.timeout)
+        attempt = 0
+        while True:
+            attempt += 1
+            tokens = 0
+            call = self._stub.Generate(request, timeout=deadline.remaining(), metadata=self.metadata + tuple(metadata))
+            try:
+                async for message in call:
+                    tokens += len(message.token_ids)
+                    yield Chunk.from_proto(message)
+                return
+            except grpc.aio.AioRpcError as error:
+                delay = retry_delay(self.retry, error.code(), attempt, tokens, deadline)
+                if delay is None:
+                    raise from_rpc_error(error, self.address, deadline.timeout, tokens) from error
+            finally:
+                call.cancel()
+            await asyncio.sleep(delay)
+
+    async def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+        return collect([chunk async for chunk in self.generate_stream(prompt, **kwargs)])
+
+    async def list_models(self, *, timeout: float | None = None) -> list[pb.ModelInfo]:
+        response = await self._stub.ListModels(pb.ListModelsRequest(), timeout=timeout or self.timeout, metadata=self.metadata)
+        return list(response.models)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

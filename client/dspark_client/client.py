@@ -1,0 +1,77 @@
+"""Synchronous client for the public Generation service."""
+
+import time
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from .channel import TlsConfig, open_channel
+from .errors import from_rpc_error
+from .proto_gen.v1 import generation_pb2 as pb
+from .proto_gen.v1 import generation_pb2_grpc
+from .request import build_request
+from .retry import Deadline, RetryPolicy, retry_delay
+from .types import Chunk, GenerationResult, collect
+
+Metadata = Sequence[tuple[str, str]]
+
+
+class Client:
+    """`Client("host:port").generate("Hello", max_tokens=32)`. Keyword arguments of
+    generate / generate_stream are those of request.build_request."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        tls: TlsConfig | None = None,
+        timeout: float | None = None,  # default deadline per call, retries included
+        retry: RetryPolicy = RetryPolicy(),
+        metadata: Metadata = (),  # sent with every call (e.g. auth or trace context)
+        options: Sequence[tuple[str, object]] = (),  # raw gRPC channel options
+    ):
+        self.address = address
+        self.timeout = timeout
+        self.retry = retry
+        self.metadata = tuple(metadata)
+        self._channel = open_channel(address, tls, options)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+
+    def generate_stream(
+        self, prompt: str | None = None, *, timeout: float | None = None, metadata: Metadata = (), **params
+    ) -> Iterator[Chunk]:
+        request = build_request(prompt, **params)
+        deadline = Deadline(timeout if timeout is not None else self.timeout)
+        attempt = 0
+        while True:
+            attempt += 1
+            tokens = 0
+            call = self._stub.Generate(request, timeout=deadline.remaining(), metadata=self.metadata + tuple(metadata))
+            try:
+                for message in call:
+                    tokens += len(message.token_ids)
+                    yield Chunk.from_proto(message)
+                return
+            except grpc.RpcError as error:
+                delay = retry_delay(self.retry, error.code(), attempt, tokens, deadline)
+                if delay is None:
+                    raise from_rpc_error(error, self.address, deadline.timeout, tokens) from error
+            finally:
+                call.cancel()  # no-op once finished; tells the server when the caller stops early
+            time.sleep(delay)
+
+    def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+        return collect(self.generate_stream(prompt, **kwargs))
+
+    def list_models(self, *, timeout: float | None = None) -> list[pb.ModelInfo]:
+        response = self._stub.ListModels(pb.ListModelsRequest(), timeout=timeout or self.timeout, metadata=self.metadata)
+        return list(response.models)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

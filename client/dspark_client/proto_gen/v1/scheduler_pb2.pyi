@@ -1,0 +1,55 @@
+from . import load_pb2 as _load_pb2
+from . import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterVerifierRequest(_message.Message):
+    __slots__ = ("address", "model", "drafter_kind", "drafter_version", "gamma", "load")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_KIND_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    model: str
+    drafter_kind: str
+    drafter_version: str
+    gamma: int
+    load: _load_pb2.VerifierLoad
+    def __init__(self, address: _Optional[str] = ..., model: _Optional[str] = ..., drafter_kind: _Optional[str] = ..., drafter_version: _Optional[str] = ..., gamma: _Optional[int] = ..., load: _Optional[_Union[_load_pb2.VerifierLoad, _Mapping]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("load",)
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    load: _load_pb2.VerifierLoad
+    def __init__(self, load: _Optional[_Union[_load_pb2.VerifierLoad, _Mapping]] = ...) -> None: ...
+
+class StepReport(_message.Message):
+    __slots__ = ("verifier_id", "step", "batch_size", "batch_tokens", "step_latency_s", "drafter_version", "calibration_version", "confidence_logits", "verified_len", "accepted_len")
+    VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_LEN_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    verifier_id: str
+    step: int
+    batch_size: int
+    batch_tokens: int
+    step_latency_s: float
+    drafter_version: str
+    calibration_version: int
+    confidence_logits: _tensor_pb2.Tensor
+    verified_len: _containers.RepeatedScalarFieldContainer[int]
+    accepted_len: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, verifier_id: _Optional[str] = ..., step: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., step_latency_s: _Optional[float] = ..., drafter_version: _Optional[str] = ..., calibration_version: _Optional[int] = ..., confidence_logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., verified_len: _Optional[_Iterable[int]] = ..., accepted_len: _Optional[_Iterable[int]] = ...) -> None: ...

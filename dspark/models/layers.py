@@ -1,0 +1,99 @@
+"""Building blocks shared by the target model and the drafters: RMSNorm, RoPE, SwiGLU."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference implementations, then cast back.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_position: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention factor for the rope variants these configs use."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if not scaling:
+        return inv.float(), 1.0
+    kind = scaling.get("rope_type", "default")
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return (inv / factor).float(), 1.0
+    if kind == "llama3":
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        return torch.where(medium, smoothed, scaled).float(), 1.0
+    if kind == "yarn":
+        old = scaling.get("original_max_position_embeddings") or max_position
+        attn = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+        beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+        def correction_dim(rotations: float) -> float:
+            return head_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo = max(math.floor(correction_dim(beta_fast)), 0)
+        hi = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - lo) / max(hi - lo, 1e-3)).clamp(0, 1)
+        keep = 1 - ramp  # share of the original (extrapolated) frequency
+        return (inv / factor * (1 - keep) + inv * keep).float(), float(attn)
+    raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_position: int):
+        super().__init__()
+        inv, attn_factor = rope_inv_freq(head_dim, theta, scaling, max_position)
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.attn_factor = attn_factor
+        self._table_len = 0
+
+    def _table(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if length > self._table_len or self._cos.device != device:
+            length = max(length, 2 * self._table_len, 256)
+            t = torch.arange(length, device=device, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq.to(device))
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self._cos, self._sin = emb.cos() * self.attn_factor, emb.sin() * self.attn_factor
+            self._table_len = length
+        return self._cos, self._sin
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self._table(int(positions.max()) + 1 if positions.numel() else 1, positions.device)
+        return cos[positions], sin[positions]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, head_dim]; cos/sin [N, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)

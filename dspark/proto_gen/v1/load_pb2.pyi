@@ -1,0 +1,52 @@
+from . import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SpsPoint(_message.Message):
+    __slots__ = ("batch_tokens", "steps_per_sec")
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_SEC_FIELD_NUMBER: _ClassVar[int]
+    batch_tokens: int
+    steps_per_sec: float
+    def __init__(self, batch_tokens: _Optional[int] = ..., steps_per_sec: _Optional[float] = ...) -> None: ...
+
+class VerifierLoad(_message.Message):
+    __slots__ = ("verifier_id", "running", "queued", "kv_use", "sps", "capacity", "calibration_version")
+    VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    KV_USE_FIELD_NUMBER: _ClassVar[int]
+    SPS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_VERSION_FIELD_NUMBER: _ClassVar[int]
+    verifier_id: str
+    running: int
+    queued: int
+    kv_use: float
+    sps: _containers.RepeatedCompositeFieldContainer[SpsPoint]
+    capacity: int
+    calibration_version: int
+    def __init__(self, verifier_id: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_use: _Optional[float] = ..., sps: _Optional[_Iterable[_Union[SpsPoint, _Mapping]]] = ..., capacity: _Optional[int] = ..., calibration_version: _Optional[int] = ...) -> None: ...
+
+class Calibration(_message.Message):
+    __slots__ = ("drafter_version", "version", "temperatures")
+    DRAFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURES_FIELD_NUMBER: _ClassVar[int]
+    drafter_version: str
+    version: int
+    temperatures: _tensor_pb2.Tensor
+    def __init__(self, drafter_version: _Optional[str] = ..., version: _Optional[int] = ..., temperatures: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class Capacity(_message.Message):
+    __slots__ = ("k", "calibration")
+    K_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    k: int
+    calibration: Calibration
+    def __init__(self, k: _Optional[int] = ..., calibration: _Optional[_Union[Calibration, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,124 @@
+"""Hardware-aware prefix scheduler (DESIGN.md 1.4).
+
+For requests r with prefix survival a[r, j] (j = 0..gamma-1 is draft token j+1), verifying
+lengths l_r puts B = sum_r (1 + l_r) tokens through the target and yields
+tau = sum_r (1 + sum_{j < l_r} a[r, j]) expected tokens. Throughput is Theta = tau * SPS(B).
+
+`sps` is any callable B -> steps per second (an `SpsTable`, or a plain function in tests);
+`capacity_from_confidences` calls it once with an int array of every B it considers.
+
+Losslessness rule behind every function here: whether draft token x_k is verified may depend
+on x_1..x_{k-1} (through a_k) and on other requests, never on x_k itself. Since a_k only
+depends on tokens before k and a falls along j, ranking by a with ties broken by lower j keeps
+every token behind its own prefix; the functions below rely on that and check it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+
+def prefix_survival(conf: np.ndarray) -> np.ndarray:
+    """a[r, k] = prod_{i <= k} conf[r, i]: probability that draft tokens 1..k all survive."""
+    return np.cumprod(np.asarray(conf, dtype=np.float64), axis=-1)
+
+
+def _check_survival(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a, dtype=np.float64)
+    if a.ndim != 2:
+        raise ValueError(f"prefix survival must be [R, gamma], got shape {a.shape}")
+    if np.any(np.diff(a, axis=1) > 0):
+        # A rising a would let a token outrank its own prefix: the ranking would no longer be causal.
+        raise ValueError("prefix survival must not rise along the block (use prefix_survival(conf))")
+    return a
+
+
+def _rank_order(a: np.ndarray, eligible: np.ndarray | None = None):
+    """(r, j) pairs sorted by a descending; ties: lower j first, then lower r."""
+    rows, cols = np.nonzero(np.ones_like(a, dtype=bool) if eligible is None else eligible)
+    order = np.lexsort((rows, cols, -a[rows, cols]))  # last key is the primary one
+    return rows[order], cols[order]
+
+
+def _theta(lengths: np.ndarray, a: np.ndarray, sps) -> float:
+    tokens = int(np.sum(1 + lengths))
+    tau = sum(1.0 + a[r, :l].sum() for r, l in enumerate(lengths))
+    return tau * sps(tokens)
+
+
+def causal_greedy(a: np.ndarray, sps) -> np.ndarray:
+    """Algorithm 1: add draft tokens best-first while Theta rises; stop at the first drop.
+
+    Returns lengths [R]. The early stop is what keeps it lossless: the decision to add a token
+    only looks at tokens ranked before it (and at its own a, which its own value cannot change).
+    """
+    a = _check_survival(a)
+    num_requests = a.shape[0]
+    lengths = np.zeros(num_requests, dtype=np.int64)
+    tokens = num_requests  # every request sends its anchor
+    tau = float(num_requests)  # and gets at least one token back
+    theta = tau * sps(tokens)
+    for r, j in zip(*_rank_order(a)):
+        new_theta = (tau + a[r, j]) * sps(tokens + 1)
+        if not new_theta > theta:
+            break
+        assert lengths[r] == j, "ranking broke prefix order"
+        lengths[r] += 1
+        tokens += 1
+        tau += a[r, j]
+        theta = new_theta
+    return lengths
+
+
+def lookahead_search(a: np.ndarray, sps) -> np.ndarray:
+    """Best Theta over every length vector (exhaustive, (gamma+1)^R cases).
+
+    NOT LOSSLESS: looking past a drop lets a_{k+1}, which depends on x_k, decide whether x_k
+    is verified (DESIGN.md 1.4, paper Appendix A). Kept only to demonstrate that bias in tests.
+    Ties go to the first vector in itertools.product order (request 0 shortest first).
+    """
+    a = _check_survival(a)
+    num_requests, gamma = a.shape
+    best, best_theta = None, -np.inf
+    for lengths in itertools.product(range(gamma + 1), repeat=num_requests):
+        theta = _theta(np.array(lengths), a, sps)
+        if theta > best_theta:
+            best, best_theta = np.array(lengths, dtype=np.int64), theta
+    return best
+
+
+def capacity_from_confidences(a_two_steps_ago: np.ndarray, sps) -> int:
+    """Two-step rule: capacity K from the survivals of two steps ago.
+
+    Global search over every K = 0..R*gamma on the real (jagged) SPS table, no early stop:
+    with K draft tokens the best tau is R + (sum of the K largest survivals), which is prefix
+    closed because a falls along j. Theta(K) = (R + best_extra(K)) * SPS(R + K). Returns the
+    arg max (smallest K on ties). Lossless because K never sees the drafts it will admit.
+    """
+    a = _check_survival(a_two_steps_ago)
+    num_requests = a.shape[0]
+    best_extra = np.concatenate([[0.0], np.cumsum(np.sort(a.ravel())[::-1])])
+    token_counts = num_requests + np.arange(best_extra.size)
+    rates = np.broadcast_to(np.asarray(sps(token_counts), dtype=np.float64), token_counts.shape)
+    theta = (num_requests + best_extra) * rates
+    return int(np.argmax(theta))  # argmax returns the first (smallest K) maximum
+
+
+def admit_top_k(a_current: np.ndarray, capacity: int, caps: np.ndarray | None = None) -> np.ndarray:
+    """Verification lengths [R]: the `capacity` best draft tokens by current survival.
+
+    Ties are broken by position (lower j first, then lower r), so a token never comes before
+    its own prefix. caps[r] limits request r to its first caps[r] drafts (0 = no speculation).
+    """
+    a = _check_survival(a_current)
+    num_requests, gamma = a.shape
+    if caps is None:
+        caps = np.full(num_requests, gamma)
+    caps = np.clip(np.asarray(caps, dtype=np.int64), 0, gamma)
+    eligible = np.arange(gamma)[None, :] < caps[:, None]
+    rows, _ = _rank_order(a, eligible)
+    chosen_rows = rows[: max(int(capacity), 0)]
+    # The chosen set is prefix closed, so counting per request gives the lengths.
+    return np.bincount(chosen_rows, minlength=num_requests).astype(np.int64)

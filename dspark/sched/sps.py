@@ -1,0 +1,92 @@
+"""SPS table: target steps per second as a function of the batch-token count B.
+
+The scheduler maximises Theta = tau * SPS(B), so it needs SPS at any B. The table keeps
+the measured step time per exact B (the real, jagged profile, which the two-step rule
+searches over), keeps it current with an exponential moving average from live steps, and
+answers for unmeasured B by interpolation.
+
+Step *seconds* are stored and averaged, not rates: averaging rates of noisy samples is
+biased towards fast outliers. SPS(B) = 1 / seconds(B).
+
+Interpolation is "monotone-safe":
+- between two measured B, seconds are interpolated linearly, so the answer always lies
+  between its two neighbours (no invented peaks or dips);
+- below the smallest measured B we answer that B's time: fewer tokens are never assumed
+  to be faster than what was measured;
+- above the largest measured B we assume the time per token stays what it was there
+  (seconds grow proportionally to B), so SPS keeps falling and the scheduler is never
+  lured into an unmeasured region by an optimistic guess.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class SpsTable:
+    def __init__(self, seconds_by_tokens: dict[int, float] | None = None, ema_weight: float = 0.1):
+        if not 0.0 < ema_weight <= 1.0:
+            raise ValueError(f"ema_weight must be in (0, 1], got {ema_weight}")
+        self.ema_weight = ema_weight
+        self.seconds_by_tokens: dict[int, float] = {}
+        for tokens, seconds in (seconds_by_tokens or {}).items():
+            self._check(tokens, seconds)
+            self.seconds_by_tokens[int(tokens)] = float(seconds)
+
+    @staticmethod
+    def _check(tokens, seconds) -> None:
+        if int(tokens) < 1 or not float(seconds) > 0.0:
+            raise ValueError(f"need tokens >= 1 and seconds > 0, got ({tokens}, {seconds})")
+
+    @classmethod
+    def from_sps(cls, sps_by_tokens: dict[int, float], ema_weight: float = 0.1) -> "SpsTable":
+        """Build from steps-per-second values, e.g. SpsTable.from_sps({1: 1.0, 2: 0.5})."""
+        return cls({b: 1.0 / s for b, s in sps_by_tokens.items()}, ema_weight)
+
+    @classmethod
+    def from_samples(cls, token_counts, seconds, ema_weight: float = 0.1) -> "SpsTable":
+        """Build from profiling samples (B, step seconds); the median per B resists outliers."""
+        token_counts = np.asarray(token_counts, dtype=np.int64)
+        seconds = np.asarray(seconds, dtype=np.float64)
+        table = {
+            int(b): float(np.median(seconds[token_counts == b])) for b in np.unique(token_counts)
+        }
+        return cls(table, ema_weight)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Fold one live step into its bucket (a new B starts its own bucket)."""
+        self._check(tokens, seconds)
+        tokens = int(tokens)
+        old = self.seconds_by_tokens.get(tokens)
+        if old is None:
+            self.seconds_by_tokens[tokens] = float(seconds)
+        else:
+            self.seconds_by_tokens[tokens] = (1.0 - self.ema_weight) * old + self.ema_weight * seconds
+
+    def seconds(self, tokens):
+        """Step time at B tokens (scalar or array of B)."""
+        if not self.seconds_by_tokens:
+            raise ValueError("SPS table is empty")
+        known_b = np.array(sorted(self.seconds_by_tokens), dtype=np.float64)
+        known_s = np.array([self.seconds_by_tokens[int(b)] for b in known_b])
+        b = np.asarray(tokens, dtype=np.float64)
+        inside = np.interp(b, known_b, known_s)  # np.interp clamps to the end values outside
+        beyond = known_s[-1] * b / known_b[-1]
+        result = np.where(b > known_b[-1], beyond, inside)
+        return float(result) if result.ndim == 0 else result
+
+    def __call__(self, tokens):
+        """SPS(B): steps per second at B tokens (scalar or array of B)."""
+        return 1.0 / self.seconds(tokens)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-ready data (keys are strings, as JSON needs)."""
+        return {
+            "ema_weight": self.ema_weight,
+            "seconds_by_tokens": {str(b): s for b, s in sorted(self.seconds_by_tokens.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SpsTable":
+        table = {int(b): float(s) for b, s in data["seconds_by_tokens"].items()}
+        return cls(table, float(data.get("ema_weight", 0.1)))

@@ -1,0 +1,274 @@
+import json
+from collections import deque
+from functools import lru_cache
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from dspark.sched.prefix_scheduler import (
+    admit_top_k,
+    capacity_from_confidences,
+    causal_greedy,
+    lookahead_search,
+    prefix_survival,
+)
+from dspark.sched.sps import SpsTable
+
+
+def theta(lengths, a, sps):
+    a = np.asarray(a, dtype=np.float64)
+    tau = sum(1.0 + a[r, :l].sum() for r, l in enumerate(lengths))
+    return tau * sps(int(np.sum(1 + np.asarray(lengths))))
+
+
+# ---------------------------------------------------------------- SPS table
+
+
+def test_sps_from_samples_uses_median_and_interpolates_step_time():
+    table = SpsTable.from_samples([1, 1, 1, 3], [0.010, 0.011, 0.500, 0.030])
+    assert table.seconds(1) == pytest.approx(0.011)  # the 0.5 s outlier is ignored
+    assert table.seconds(2) == pytest.approx(0.0205)  # linear in seconds between neighbours
+    assert table(2) == pytest.approx(1 / 0.0205)
+
+
+def test_sps_extrapolation_is_monotone_safe():
+    table = SpsTable({4: 0.02, 8: 0.01})  # jagged: 8 tokens measured faster than 4
+    assert table.seconds(1) == pytest.approx(0.02)  # below the range: never faster than measured
+    assert table.seconds(6) == pytest.approx(0.015)  # between neighbours
+    assert table.seconds(16) == pytest.approx(0.02)  # beyond: time per token kept, SPS keeps falling
+    assert table(16) < table(12) < table(8)
+    np.testing.assert_allclose(table.seconds(np.array([4, 8, 16])), [0.02, 0.01, 0.02])
+
+
+def test_sps_ema_and_dict_round_trip():
+    table = SpsTable({2: 0.010}, ema_weight=0.25)
+    table.observe(2, 0.020)
+    assert table.seconds(2) == pytest.approx(0.0125)
+    table.observe(5, 0.040)  # an unmeasured B starts its own bucket
+    assert table.seconds(5) == pytest.approx(0.040)
+    restored = SpsTable.from_dict(json.loads(json.dumps(table.to_dict())))
+    assert restored.seconds_by_tokens == table.seconds_by_tokens
+    assert restored.ema_weight == 0.25
+    with pytest.raises(ValueError):
+        table.observe(3, 0.0)
+
+
+# ---------------------------------------------------------------- Algorithm 1
+
+
+def test_prefix_survival_is_cumulative_product():
+    np.testing.assert_allclose(prefix_survival([[0.9, 0.5, 0.2]]), [[0.9, 0.45, 0.09]])
+
+
+def test_causal_greedy_stops_at_first_drop():
+    a = np.array([[0.9, 0.5, 0.45]])
+    sps = SpsTable.from_sps({1: 1.0, 2: 0.6, 3: 0.35, 4: 0.5})
+    # Theta by length: 1.0, 1.14, 0.84 (drop), 1.425 (better, but behind the drop)
+    assert causal_greedy(a, sps).tolist() == [1]
+    assert lookahead_search(a, sps).tolist() == [3]
+
+
+def test_causal_greedy_keeps_prefix_order_across_requests():
+    a = np.array([[0.9, 0.3], [0.6, 0.5]])
+    sps = lambda tokens: 1.0 / (1.0 + 0.1 * (tokens - 2))  # noqa: E731
+    # Order: (0,1) 0.9, (1,1) 0.6, (1,2) 0.5, (0,2) 0.3; Theta 2, 2.64, 2.92, 3.08, then 3.07 (drop).
+    assert causal_greedy(a, sps).tolist() == [1, 2]
+
+
+def test_causal_greedy_breaks_ties_by_position_then_request():
+    a = np.full((2, 2), 0.5)
+    sps = SpsTable.from_sps({2: 1.0, 3: 0.9, 4: 0.8, 5: 0.7, 6: 0.5})  # Theta 2, 2.25, 2.4, 2.45, 2.0
+    assert causal_greedy(a, sps).tolist() == [2, 1]  # (0,1), (1,1), then (0,2) before (1,2)
+
+
+def test_causal_greedy_flat_sps_admits_every_positive_survival():
+    a = np.array([[0.9, 0.4, 0.0], [0.2, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert causal_greedy(a, lambda tokens: 1.0).tolist() == [2, 1, 0]
+
+
+def test_causal_greedy_steep_sps_admits_nothing():
+    a = np.array([[0.99, 0.98], [0.97, 0.9]])
+    assert causal_greedy(a, lambda tokens: 2.0 ** -(tokens - 2)).tolist() == [0, 0]
+
+
+def test_rising_survival_is_rejected():
+    with pytest.raises(ValueError):
+        causal_greedy(np.array([[0.5, 0.6]]), lambda tokens: 1.0)
+
+
+# ---------------------------------------------------------------- two-step rule
+
+
+def test_capacity_finds_the_global_optimum_on_a_jagged_table():
+    a = np.array([[0.9, 0.5, 0.45, 0.4]])
+    sps = SpsTable.from_sps({1: 1.0, 2: 0.6, 3: 0.35, 4: 0.5, 5: 0.3})
+    # Theta(K): 1.0, 1.14, 0.84, 1.425, 0.975: a first-drop stop would settle on K = 1.
+    assert causal_greedy(a, sps).tolist() == [1]
+    assert capacity_from_confidences(a, sps) == 3
+
+
+def test_capacity_matches_exhaustive_search_on_random_cases():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        a = prefix_survival(rng.uniform(0.3, 1.0, size=(2, 3)))
+        sps = SpsTable.from_sps({b: rng.uniform(0.2, 1.0) for b in range(2, 9)})
+        capacity = capacity_from_confidences(a, sps)
+        best = theta(lookahead_search(a, sps), a, sps)
+        assert theta(admit_top_k(a, capacity), a, sps) == pytest.approx(best)
+
+
+def test_capacity_takes_smallest_on_ties():
+    assert capacity_from_confidences(np.zeros((2, 3)), lambda tokens: 1.0) == 0
+
+
+def test_admit_top_k_orders_by_survival_then_position():
+    a = np.array([[0.9, 0.3, 0.1], [0.6, 0.5, 0.4]])
+    assert admit_top_k(a, 0).tolist() == [0, 0]
+    assert admit_top_k(a, 3).tolist() == [1, 2]
+    assert admit_top_k(a, 4).tolist() == [1, 3]
+    assert admit_top_k(a, 100).tolist() == [3, 3]
+    assert admit_top_k(np.full((2, 2), 0.5), 3).tolist() == [2, 1]
+
+
+def test_admit_top_k_caps():
+    a = np.array([[0.9, 0.8], [0.7, 0.6], [0.95, 0.9]])
+    assert admit_top_k(a, 4, caps=[1, 2, 0]).tolist() == [1, 2, 0]  # request 2 has speculation off
+    assert admit_top_k(a, 2, caps=[2, 2, 0]).tolist() == [2, 0, 0]
+    assert admit_top_k(a, 3, caps=None).tolist() == [1, 0, 2]
+
+
+def test_admit_top_k_is_the_prefix_closed_top_k_on_random_cases():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        conf = rng.choice([0.5, 0.8, 1.0], size=(4, 5))  # coarse values: many exact ties
+        a = prefix_survival(conf)
+        capacity = int(rng.integers(0, 25))
+        caps = rng.integers(0, 6, size=4)
+        lengths = admit_top_k(a, capacity, caps)
+        assert np.all(lengths <= caps)
+        assert lengths.sum() == min(capacity, caps.sum())
+        key = lambda r, j: (-a[r, j], j, r)  # noqa: E731
+        admitted = [key(r, j) for r in range(4) for j in range(lengths[r])]
+        left_out = [key(r, j) for r in range(4) for j in range(lengths[r], caps[r])]
+        if admitted and left_out:
+            assert max(admitted) < min(left_out)
+
+
+# ---------------------------------------------------------------- Appendix A: the look-ahead bias
+
+TARGET_P = np.array([0.7, 0.3])  # target distribution over a 2-token vocabulary {0, 1}
+DRAFT_Q = np.array([0.5, 0.5])
+PAPER_SPS = SpsTable.from_sps({1: 1.0, 2: 0.5, 3: 0.45})
+
+
+def block_survival(x1):
+    """a = (0.8, 0.8) after x_1 = 0, (0.8, 0.2) after x_1 = 1 (c_2 reads x_1, as the paper's head does)."""
+    return prefix_survival([[0.8, 1.0 if x1 == 0 else 0.25]])
+
+
+def draw(dist, rng):
+    return int(rng.random() >= dist[0])  # inverse CDF over 2 tokens
+
+
+def chain_rejection(drafts, length, rng):
+    """Standard chain rejection sampling: accept x with prob min(1, p/q), else draw from
+    norm(max(0, p - q)) and stop; if all `length` drafts pass, add a bonus token from p."""
+    out = []
+    for x in drafts[:length]:
+        if rng.random() < min(1.0, TARGET_P[x] / DRAFT_Q[x]):
+            out.append(x)
+            continue
+        residual = np.maximum(TARGET_P - DRAFT_Q, 0.0)
+        out.append(draw(residual / residual.sum(), rng))
+        return out
+    out.append(draw(TARGET_P, rng))
+    return out
+
+
+def first_two_outputs(choose_length, episodes, seed):
+    """Per episode (a fresh request), run steps until two tokens are out; return them [episodes, 2]."""
+    rng = np.random.default_rng(seed)
+    outputs = np.zeros((episodes, 2), dtype=np.int64)
+    for e in range(episodes):
+        out = []
+        while len(out) < 2:
+            drafts = [draw(DRAFT_Q, rng), draw(DRAFT_Q, rng)]
+            out += chain_rejection(drafts, choose_length(drafts[0]), rng)
+        outputs[e] = out[:2]
+    return outputs
+
+
+def cached_by_first_token(schedule):
+    """The schedules below are deterministic in a, and a depends only on x_1: compute each once."""
+    return lru_cache(maxsize=None)(lambda x1: int(schedule(block_survival(x1))[0]))
+
+
+def two_step_scheduler(sps):
+    """K from the survivals of two steps earlier (0 until there are any), top-K by current a.
+    Like above, both decisions are cached by the first token they are computed from."""
+    capacity_after = lru_cache(maxsize=None)(lambda x1: capacity_from_confidences(block_survival(x1), sps))
+    length_for = lru_cache(maxsize=None)(lambda x1, capacity: int(admit_top_k(block_survival(x1), capacity)[0]))
+    earlier_first_tokens = deque(maxlen=2)
+
+    def choose_length(x1):
+        capacity = capacity_after(earlier_first_tokens[0]) if len(earlier_first_tokens) == 2 else 0
+        earlier_first_tokens.append(x1)
+        return length_for(x1, capacity)
+
+    return choose_length
+
+
+def chi_square_p(tokens):
+    return chisquare(np.bincount(tokens, minlength=2), TARGET_P * tokens.size).pvalue
+
+
+EPISODES = 20000
+
+
+@pytest.mark.parametrize(
+    "biased_schedule",
+    [
+        lambda a: lookahead_search(a, PAPER_SPS),
+        # The two-step rule without its delay: K from the very drafts it admits is just as biased.
+        lambda a: admit_top_k(a, capacity_from_confidences(a, PAPER_SPS)),
+    ],
+    ids=["lookahead search", "capacity from current drafts"],
+)
+def test_appendix_a_lookahead_is_biased(biased_schedule):
+    """Paper Appendix A, rebuilt from DESIGN.md 1.4: 1 request, gamma = 2, c_1 = 0.8, c_2 set by
+    x_1 (so a_2 = 0.8 after x_1 = 0, 0.2 after x_1 = 1), SPS = (1.0, 0.5, 0.45) at B = 1, 2, 3,
+    p = (0.7, 0.3), q = (0.5, 0.5). Theta = 1.0 (verify none), 0.9 (verify x_1), 0.45 * (1.8 + a_2)
+    = 1.17 or 0.90 (verify both). The look-ahead search verifies both when x_1 = 0 and none
+    when x_1 = 1: x_1 decides whether x_1 itself is verified. Verified, x_1 = 0 is always
+    accepted (p/q > 1); otherwise the first output is a fresh draw from p. So the first output
+    token is 0 with probability 0.5 * 1 + 0.5 * 0.7 = 0.85, the paper's (0.85, 0.15).
+    (Counting the anchor as output position 1, this is the second output position.)"""
+    outputs = first_two_outputs(cached_by_first_token(biased_schedule), EPISODES, seed=0)
+    first = outputs[:, 0]
+    share_of_zero = np.mean(first == 0)
+    assert abs(share_of_zero - 0.85) < 4 * np.sqrt(0.85 * 0.15 / EPISODES)
+    assert chi_square_p(first) < 1e-12
+    assert chi_square_p(outputs[:, 1]) < 1e-6  # the next position inherits the bias (expected 0.775)
+
+
+@pytest.mark.parametrize(
+    "name, sps",
+    [
+        ("paper SPS", PAPER_SPS),  # Algorithm 1 verifies nothing here; two-step K is 0 or 2
+        ("cheaper 2-token pass", SpsTable.from_sps({1: 1.0, 2: 0.6, 3: 0.45})),  # x_2 verified iff x_1 = 0
+    ],
+)
+def test_appendix_a_our_schedulers_keep_the_target_distribution(name, sps):
+    for schedule in (cached_by_first_token(lambda a: causal_greedy(a, sps)), two_step_scheduler(sps)):
+        outputs = first_two_outputs(schedule, EPISODES, seed=1)
+        assert chi_square_p(outputs[:, 0]) > 0.001, name
+        assert chi_square_p(outputs[:, 1]) > 0.001, name
+
+
+def test_appendix_a_cases_really_speculate():
+    """Guard: the lossless cases above must actually verify drafts, or they would prove nothing."""
+    cheaper = SpsTable.from_sps({1: 1.0, 2: 0.6, 3: 0.45})
+    assert [causal_greedy(block_survival(x1), cheaper)[0] for x1 in (0, 1)] == [2, 1]
+    assert [capacity_from_confidences(block_survival(x1), PAPER_SPS) for x1 in (0, 1)] == [2, 0]
+    assert [lookahead_search(block_survival(x1), PAPER_SPS)[0] for x1 in (0, 1)] == [2, 0]
