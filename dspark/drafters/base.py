@@ -1,0 +1,125 @@
+"""The one inference interface the speculative loop and the drafter service use.
+
+A drafter keeps, per request, a cache built from the target features of the decided positions
+0..n-1 (its "context"). `draft` proposes gamma tokens for positions a+1..a+gamma after the
+anchor token x_a at position a = n (DESIGN.md 1.1; docs/ARCHITECTURE.md block convention).
+
+Every drafter shares the target's embedding and LM head. They are frozen buffers, never saved
+with the drafter. With a draft vocabulary (the N most frequent target tokens) the LM head is
+cut to those rows: tokens outside it get q = 0 and are never proposed, which stays lossless.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dspark.drafters.config import DrafterConfig
+from dspark.drafters.context import ContextCache
+from dspark.sampling import truncated_draft_distribution
+
+
+@dataclass
+class DraftBlock:
+    tokens: torch.Tensor  # [R, gamma] int64 target token ids x_1..x_gamma
+    conf_logits: torch.Tensor | None  # [R, gamma] float32 raw confidence logits z_k (DSpark only)
+    support_ids: torch.Tensor  # [R, gamma, S] int64 target ids of the support each x_k was drawn from
+    support_probs: torch.Tensor  # [R, gamma, S] float32 its probabilities (rows sum to 1, zero-padded)
+    logits: torch.Tensor | None = None  # [R, gamma, V'] float32 slot logits over the draft vocab (on request)
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 draft_vocab: torch.Tensor | None = None):
+        super().__init__()
+        self.cfg = cfg = cfg.resolved()
+        if embed_weight.shape != (cfg.vocab_size, cfg.hidden_size) or lm_head_weight.shape != embed_weight.shape:
+            raise ValueError(f"target embedding/LM head must be [{cfg.vocab_size}, {cfg.hidden_size}], "
+                             f"got {tuple(embed_weight.shape)} and {tuple(lm_head_weight.shape)}")
+        if draft_vocab is None:
+            draft_vocab = torch.arange(cfg.draft_vocab)
+        if draft_vocab.shape != (cfg.draft_vocab,):
+            raise ValueError(f"draft_vocab must have {cfg.draft_vocab} ids, got {tuple(draft_vocab.shape)}")
+        # Frozen target weights: buffers (not parameters), not persistent (not in the checkpoint).
+        self.register_buffer("embed_weight", embed_weight.detach().float(), persistent=False)
+        self.register_buffer("lm_head_full", lm_head_weight.detach().float(), persistent=False)
+        self.register_buffer("draft_vocab", draft_vocab.long().clone())  # [V'] draft index -> target id
+        self.register_buffer("lm_head_draft", self.lm_head_full[self.draft_vocab].clone(), persistent=False)
+        self.contexts = ContextCache()
+
+    # ---- identity ----
+    @property
+    def gamma(self) -> int:
+        return self.cfg.gamma
+
+    @property
+    def kind(self) -> str:
+        return self.cfg.kind
+
+    @property
+    def version(self) -> str:
+        return self.cfg.version
+
+    @property
+    def ctx_layers(self) -> list[int]:
+        return list(self.cfg.ctx_layers)
+
+    @property
+    def has_confidence(self) -> bool:
+        return self.cfg.confidence
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # A loaded draft vocabulary changes which LM-head rows the drafter uses.
+        self.lm_head_draft = self.lm_head_full[self.draft_vocab].clone()
+
+    # ---- shared pieces ----
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_weight[tokens]
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Base logits over the draft vocabulary through the target's (frozen) LM head."""
+        return hidden @ self.lm_head_draft.T
+
+    def to_draft_index(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids -> draft-vocabulary index, -1 for tokens outside it."""
+        table = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=target_ids.device)
+        table[self.draft_vocab] = torch.arange(self.cfg.draft_vocab, device=target_ids.device)
+        return table[target_ids]
+
+    def sample_slot(self, logits: torch.Tensor, temperatures: torch.Tensor, generators: list,
+                    forced: torch.Tensor | None = None):
+        """Draw one slot for every request from the compact exact q (top-S of softmax(logits / T)).
+
+        Returns target ids: (tokens [R], support_ids [R, S], support_probs [R, S]). With `forced`
+        (target ids) the tokens are replaced, for teacher-forced scoring; q is still reported.
+        """
+        support = min(self.cfg.support_size, logits.shape[-1])
+        tokens, ids, probs = truncated_draft_distribution(logits, temperatures, support, generators)
+        tokens, ids = self.draft_vocab[tokens], self.draft_vocab[ids]
+        if forced is not None:
+            tokens = forced.long()
+        return tokens, ids, probs
+
+    # ---- context cache (what every drafter stores is its own business) ----
+    def context_len(self, req_id: str) -> int:
+        return self.contexts.length(req_id)
+
+    def rollback(self, req_id: str, n_ctx: int) -> None:
+        self.contexts.truncate(req_id, n_ctx)
+
+    def release(self, req_id: str) -> None:
+        self.contexts.release(req_id)
+
+    def extend_context(self, req_id: str, features: torch.Tensor, tokens: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def draft(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor, generators: list,
+              forced_tokens: torch.Tensor | None = None, return_logits: bool = False) -> DraftBlock:
+        """Batched over requests; request i's anchor sits at position context_len(req_ids[i]).
+
+        forced_tokens [R, gamma]: teacher forcing (tests, evaluation): use these as x_1..x_gamma
+        instead of sampling, so later slots are conditioned on them.
+        """
+        raise NotImplementedError

@@ -1,0 +1,73 @@
+"""The parallel backbone's decoder layer: a draft block attends to context features plus itself.
+
+Each layer projects the context states H_ctx with its own k/v weights (DESIGN.md 1.1). A block
+sees the context positions strictly before its anchor and every row of its own block
+(bidirectional). Training runs many blocks of one sequence at once over a shared context;
+inference runs one block per request over that request's cached context. Both are the same
+call: blocks come in groups [G, n] that share one context of L positions.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark.drafters.config import DrafterConfig
+from dspark.models.layers import RMSNorm, SwiGLU, apply_rotary
+
+
+def block_attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk) -> torch.Tensor:
+    """One softmax over [visible context keys ; the block's own keys].
+
+    q, k_blk, v_blk [G, n, H, g, hd]; k_ctx, v_ctx [G, H, L, hd] (heads already expanded);
+    ctx_visible [G, n, L] bool. Returns [G, n, H, g, hd]. Splitting the two key sets avoids
+    copying the context once per block.
+    """
+    scale = q.shape[-1] ** -0.5
+    s_ctx = torch.einsum("gnhqd,ghld->gnhql", q, k_ctx) * scale
+    s_ctx = s_ctx.masked_fill(~ctx_visible[:, :, None, None, :], float("-inf"))
+    s_blk = torch.einsum("gnhqd,gnhkd->gnhqk", q, k_blk) * scale
+    probs = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1)
+    p_ctx, p_blk = probs.split([s_ctx.shape[-1], s_blk.shape[-1]], dim=-1)
+    return torch.einsum("gnhql,ghld->gnhqd", p_ctx, v_ctx) + torch.einsum("gnhqk,gnhkd->gnhqd", p_blk, v_blk)
+
+
+class BlockDecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        d, self.heads, self.kv_heads, self.head_dim = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.input_layernorm = RMSNorm(d, cfg.rms_eps)
+        self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=False)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_eps)
+        self.mlp = SwiGLU(d, cfg.intermediate_size)
+
+    def context_kv(self, h_ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """This layer's keys (rotated at their true positions) and values of H_ctx rows: [L, KV, hd] each."""
+        n = h_ctx.shape[0]
+        k = self.k_proj(h_ctx).view(n, self.kv_heads, self.head_dim)
+        v = self.v_proj(h_ctx).view(n, self.kv_heads, self.head_dim)
+        return apply_rotary(k, cos, sin), v
+
+    def _expand_heads(self, kv: torch.Tensor) -> torch.Tensor:
+        return kv.repeat_interleave(self.heads // self.kv_heads, dim=-3)
+
+    def forward(self, x, cos, sin, k_ctx, v_ctx, ctx_visible):
+        """x [G, n, g, d]; cos/sin [G, n, g, hd]; k_ctx/v_ctx [G, KV, L, hd]; ctx_visible [G, n, L]."""
+        G, n, g, d = x.shape
+        h = self.input_layernorm(x).reshape(-1, d)
+        cos, sin = cos.reshape(-1, self.head_dim), sin.reshape(-1, self.head_dim)
+        q = apply_rotary(self.q_proj(h).view(-1, self.heads, self.head_dim), cos, sin)
+        k = apply_rotary(self.k_proj(h).view(-1, self.kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(h).view(-1, self.kv_heads, self.head_dim)
+
+        def blocks(t):  # [G*n*g, heads, hd] -> [G, n, heads, g, hd]
+            return t.view(G, n, g, -1, self.head_dim).transpose(2, 3)
+
+        k_blk, v_blk = self._expand_heads(blocks(k)), self._expand_heads(blocks(v))
+        out = block_attention(blocks(q), self._expand_heads(k_ctx), self._expand_heads(v_ctx), ctx_visible,
+                              k_blk, v_blk)
+        out = out.transpose(2, 3).reshape(G, n, g, self.heads * self.head_dim)
+        x = x + self.o_proj(out)
+        return x + self.mlp(self.post_attention_layernorm(x))

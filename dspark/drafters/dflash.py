@@ -1,0 +1,128 @@
+"""The parallel block drafter (DFlash), which DSpark extends with its heads.
+
+H_ctx = RMSNorm(W_c [H^(l1); ...; H^(lm)]). The block [x_a, MASK, ..., MASK] at positions
+a..a+gamma-1 runs through N BlockDecoderLayers (context < a plus the whole block), a final
+norm and the target's LM head: row k-1 gives the base logits U_k of slot k (token at a+k).
+DFlash drafts every slot from U_k alone.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark.drafters.base import DraftBlock, Drafter
+from dspark.drafters.block_layer import BlockDecoderLayer
+from dspark.drafters.heads import run_teacher_forced
+from dspark.models.layers import RMSNorm, Rotary
+
+
+class ParallelDrafter(Drafter):
+    def __init__(self, cfg, embed_weight, lm_head_weight, draft_vocab=None):
+        super().__init__(cfg, embed_weight, lm_head_weight, draft_vocab)
+        cfg, d = self.cfg, self.cfg.hidden_size
+        self.ctx_proj = nn.Linear(cfg.num_ctx_layers * d, d, bias=False)  # W_c
+        self.ctx_norm = RMSNorm(d, cfg.rms_eps)
+        self.mask_embedding = nn.Parameter(torch.randn(d) * 0.02)  # the MASK token (the target has none)
+        self.layers = nn.ModuleList(BlockDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(d, cfg.rms_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, None, 4096)
+        self.head = None  # sequential head (DSpark)
+        self.confidence_head = None
+
+    # ---- the backbone, shared by training and drafting ----
+    def context_states(self, features: torch.Tensor) -> torch.Tensor:
+        return self.ctx_norm(self.ctx_proj(features.float()))
+
+    def context_kv(self, features: torch.Tensor, first_pos: int):
+        """Per layer (k, v) [L, KV, hd] of context rows at positions first_pos.."""
+        h_ctx = self.context_states(features)
+        cos, sin = self.rotary.cos_sin(first_pos + torch.arange(h_ctx.shape[0], device=h_ctx.device))
+        return [layer.context_kv(h_ctx, cos, sin) for layer in self.layers]
+
+    def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
+        """[x_a, MASK, ..., MASK] embeddings: [A] -> [A, gamma, d]."""
+        x = self.mask_embedding.expand(anchors.shape[0], self.gamma, -1).clone()
+        x[:, 0] = self.embed(anchors)
+        return x
+
+    def run_blocks(self, anchors, block_start, ctx_kv, ctx_visible) -> torch.Tensor:
+        """anchors/block_start [G, n]; ctx_kv per layer ([G, KV, L, hd], same); ctx_visible [G, n, L].
+
+        Returns the final-normed hidden states [G, n, gamma, d]; row k-1 is slot k.
+        """
+        G, n = anchors.shape
+        x = self.block_inputs(anchors.reshape(-1)).view(G, n, self.gamma, -1)
+        positions = block_start[..., None] + torch.arange(self.gamma, device=anchors.device)
+        cos, sin = self.rotary.cos_sin(positions.reshape(-1))
+        cos, sin = cos.view(G, n, self.gamma, -1), sin.view(G, n, self.gamma, -1)
+        for layer, (k_ctx, v_ctx) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, k_ctx, v_ctx, ctx_visible)
+        return self.norm(x)
+
+    def slot_outputs(self, hidden: torch.Tensor, prev: torch.Tensor):
+        """Teacher-forced slot logits [A, g, V'] (U_k, plus B_k with a head) and confidence logits or None."""
+        logits = self.draft_logits(hidden)
+        bias, conf = run_teacher_forced(self.head, self.confidence_head, hidden, prev)
+        return (logits if bias is None else logits + bias), conf
+
+    # ---- training ----
+    def train_forward(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor):
+        """Many blocks of one sequence in one pass (teacher forcing).
+
+        features [L, m*d], tokens [L], anchors [A] (each < L). Block b sees context positions
+        < anchors[b] and its own block. Returns (logits [A, g, V'], conf_logits [A, g] or None).
+        """
+        L = tokens.shape[0]
+        kv = [(k.transpose(0, 1)[None], v.transpose(0, 1)[None]) for k, v in self.context_kv(features, 0)]
+        ctx_visible = (torch.arange(L, device=tokens.device)[None, :] <= anchors[:, None])[None]
+        hidden = self.run_blocks(tokens[anchors][None], anchors[None], kv, ctx_visible)[0]
+        # x_{k-1} for slot k: the anchor, then the true tokens (clamped at the end; those slots are invalid).
+        prev_pos = (anchors[:, None] + torch.arange(self.gamma, device=tokens.device)).clamp(max=L - 1)
+        return self.slot_outputs(hidden, tokens[prev_pos])
+
+    # ---- inference ----
+    @torch.no_grad()
+    def extend_context(self, req_id: str, features: torch.Tensor, tokens: torch.Tensor) -> None:
+        if features.shape[0] != tokens.shape[0]:
+            raise ValueError(f"{features.shape[0]} feature rows for {tokens.shape[0]} tokens")
+        if features.shape[0] == 0:
+            return
+        kv = self.context_kv(features, self.context_len(req_id))
+        rows = torch.stack([torch.stack([k, v], dim=1) for k, v in kv], dim=1)  # [n, layers, 2, KV, hd]
+        self.contexts.append(req_id, rows)
+
+    @torch.no_grad()
+    def draft(self, req_ids, anchors, temperatures, generators, forced_tokens=None, return_logits=False):
+        cfg = self.cfg
+        anchors = anchors.long()
+        like = torch.empty(0, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)
+        kv, valid = self.contexts.padded(req_ids, like)  # [R, L, layers, 2, KV, hd]
+        ctx_kv = [(kv[:, :, i, 0].transpose(1, 2), kv[:, :, i, 1].transpose(1, 2)) for i in range(cfg.num_layers)]
+        starts = torch.tensor([self.context_len(r) for r in req_ids])
+        hidden = self.run_blocks(anchors[:, None], starts[:, None], ctx_kv, valid[:, None])[:, 0]
+        return self.sample_block(hidden, anchors, temperatures, generators, forced_tokens, return_logits)
+
+    def sample_block(self, hidden, anchors, temperatures, generators, forced_tokens, return_logits) -> DraftBlock:
+        """Left to right: x_k ~ q_k from U_k (+ B_k(x_{k-1})), x_0 = the anchor."""
+        base = self.draft_logits(hidden)
+        state = self.head.init_state(hidden.shape[0], hidden) if self.head is not None else None
+        prev = anchors
+        tokens, confs, ids, probs, all_logits = [], [], [], [], []
+        for k in range(self.gamma):
+            logits = base[:, k]
+            if self.head is not None:
+                bias, state = self.head.step(hidden[:, k], prev, state)
+                logits = logits + bias
+            if self.confidence_head is not None:
+                confs.append(self.confidence_head(hidden[:, k], self.head.W1(prev) if self.head is not None else None))
+            forced = forced_tokens[:, k] if forced_tokens is not None else None
+            prev, slot_ids, slot_probs = self.sample_slot(logits, temperatures, generators, forced)
+            tokens.append(prev), ids.append(slot_ids), probs.append(slot_probs), all_logits.append(logits)
+        return DraftBlock(
+            tokens=torch.stack(tokens, 1),
+            conf_logits=torch.stack(confs, 1).float() if confs else None,
+            support_ids=torch.stack(ids, 1), support_probs=torch.stack(probs, 1).float(),
+            logits=torch.stack(all_logits, 1).float() if return_logits else None)
+
+
+DFlashDrafter = ParallelDrafter

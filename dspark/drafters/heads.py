@@ -1,0 +1,78 @@
+"""DSpark's sequential heads and confidence head (DESIGN.md 1.1).
+
+A sequential head turns the parallel backbone into a semi-autoregressive drafter:
+p_k(v) = softmax(U_k(v) + B_k(x_{k-1}, v)), x_0 = the anchor. Both heads run one slot at a time
+through `step`, during drafting (x_{k-1} sampled) and in training (x_{k-1} the true token).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MarkovHead(nn.Module):
+    """Low-rank bigram bias B_k(x_{k-1}, .) = W1[x_{k-1}] W2 (W1: V x r, W2: r x V')."""
+
+    def __init__(self, vocab_size: int, rank: int, draft_vocab: int):
+        super().__init__()
+        self.W1 = nn.Embedding(vocab_size, rank)
+        self.W2 = nn.Linear(rank, draft_vocab, bias=False)
+        nn.init.normal_(self.W1.weight, std=0.02)
+        nn.init.zeros_(self.W2.weight)  # start as plain DFlash: B = 0
+
+    def init_state(self, rows: int, like: torch.Tensor):
+        return None
+
+    def step(self, h_k: torch.Tensor, prev: torch.Tensor, state):
+        return self.W2(self.W1(prev)), state
+
+
+class RNNHead(nn.Module):
+    """Gated recurrent state over the block:
+    z_k = [s_{k-1}; W1[x_{k-1}]; h_k], g = sigmoid(W_g z_k), s_k = g*s_{k-1} + (1-g)*tanh(W_c z_k),
+    B_k = W2 tanh(W_o z_k).
+    """
+
+    def __init__(self, vocab_size: int, rank: int, draft_vocab: int, hidden_size: int):
+        super().__init__()
+        self.rank = rank
+        self.W1 = nn.Embedding(vocab_size, rank)
+        z = 2 * rank + hidden_size
+        self.W_c, self.W_g, self.W_o = nn.Linear(z, rank), nn.Linear(z, rank), nn.Linear(z, rank)
+        self.W2 = nn.Linear(rank, draft_vocab, bias=False)
+        nn.init.normal_(self.W1.weight, std=0.02)
+        nn.init.zeros_(self.W2.weight)
+
+    def init_state(self, rows: int, like: torch.Tensor):
+        return like.new_zeros(rows, self.rank)
+
+    def step(self, h_k: torch.Tensor, prev: torch.Tensor, state: torch.Tensor):
+        z = torch.cat([state, self.W1(prev), h_k], dim=-1)
+        g = torch.sigmoid(self.W_g(z))
+        new_state = g * state + (1 - g) * torch.tanh(self.W_c(z))
+        return self.W2(torch.tanh(self.W_o(z))), new_state
+
+
+class ConfidenceHead(nn.Module):
+    """Raw logit z_k with c_k = sigmoid(z_k) = sigmoid(w . [h_k; W1[x_{k-1}]] + b)."""
+
+    def __init__(self, hidden_size: int, rank: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size + rank, 1)
+
+    def forward(self, h_k: torch.Tensor, prev_embedding: torch.Tensor | None) -> torch.Tensor:
+        x = h_k if prev_embedding is None else torch.cat([h_k, prev_embedding], dim=-1)
+        return self.proj(x).squeeze(-1)
+
+
+def run_teacher_forced(head, confidence: ConfidenceHead | None, h: torch.Tensor, prev: torch.Tensor):
+    """All slots of [A, g] blocks with the true previous tokens: (bias [A, g, V'] or None, conf [A, g] or None)."""
+    biases, confs = [], []
+    state = head.init_state(h.shape[0], h) if head is not None else None
+    for k in range(h.shape[1]):
+        if head is not None:
+            bias, state = head.step(h[:, k], prev[:, k], state)
+            biases.append(bias)
+        if confidence is not None:
+            confs.append(confidence(h[:, k], head.W1(prev[:, k]) if head is not None else None))
+    return (torch.stack(biases, 1) if biases else None), (torch.stack(confs, 1) if confs else None)

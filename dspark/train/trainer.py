@@ -1,0 +1,321 @@
+"""Train a DSpark, DFlash or EAGLE-3 drafter on cached target features (DESIGN.md 1.2).
+
+    python -m dspark.train.trainer --config dspark/train/configs/dspark.json --data DATA --out OUT
+
+Config (plain JSON): {"drafter": {DrafterConfig fields, "kind" required}, "train": {see
+DEFAULT_TRAIN}, "target": optional model name/path for the embedding and LM head (default: the
+dataset's meta.json "target")}. Everything random is seeded from (seed, step), so resuming from
+a checkpoint gives the same run as never stopping.
+
+out/: config.json, log.jsonl (one line per step), checkpoints/step_XXXXXXX/ (model + optimiser +
+RNG + step), drafter/ (the final drafter, docs/drafter_format.md), loss.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from dspark.drafters import build_drafter
+from dspark.drafters.checkpoint import save_drafter
+from dspark.drafters.config import DrafterConfig
+from dspark.train import losses
+from dspark.train.anchors import sample_anchors, sample_rows, slot_validity, ttt_validity
+from dspark.train.dataset import CachedDataset, Sequence
+
+DEFAULT_TRAIN = {
+    "steps": 1000,  # optimiser steps (the budget)
+    "lr": 6e-4, "warmup_steps": 50, "min_lr_ratio": 0.1,  # linear warmup, cosine decay to lr * min_lr_ratio
+    "weight_decay": 0.01, "betas": [0.9, 0.95], "grad_clip": 1.0,
+    "batch_sequences": 2,  # sequences per optimiser step
+    "anchors_per_seq": 512,  # reference anchor count per sequence (capped by the token budget)
+    "max_block_tokens": 2048,  # budget of supervised rows (anchors x gamma, or EAGLE-3 rows) per step
+    "max_seq_len": 1024,  # longer sequences are cropped to a random window
+    "slot_decay": 4.0, "mix": dict(losses.DEFAULT_MIX),  # w_k = exp(-(k-1)/slot_decay); CE/TV/conf mix
+    "ttt_steps": 7, "ttt_decay": 0.8,  # EAGLE-3 training-time test
+    "seed": 0, "save_every": 200, "keep_checkpoints": 2,
+}
+
+
+def load_train_config(config: str | Path | dict) -> dict:
+    cfg = json.loads(Path(config).read_text()) if not isinstance(config, dict) else json.loads(json.dumps(config))
+    unknown = set(cfg.get("train", {})) - set(DEFAULT_TRAIN)
+    if unknown:
+        raise ValueError(f"unknown train settings: {sorted(unknown)}")
+    cfg["train"] = {**DEFAULT_TRAIN, **cfg.get("train", {})}
+    if "kind" not in cfg.get("drafter", {}):
+        raise ValueError('the config needs drafter.kind ("dspark", "dflash" or "eagle3")')
+    return cfg
+
+
+def lr_factor(step: int, t: dict) -> float:
+    if step < t["warmup_steps"]:
+        return (step + 1) / t["warmup_steps"]
+    progress = (step - t["warmup_steps"]) / max(1, t["steps"] - t["warmup_steps"])
+    return t["min_lr_ratio"] + (1 - t["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def choose_draft_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` most frequent token ids (ties: lower id first), in ascending id order."""
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return order[:size].sort().values
+
+
+class TargetLSE:
+    """Full-vocabulary logsumexp of the target logits per position, computed once per sequence.
+
+    It is what turns the draft-vocab slice of the target logits into exact probabilities. It is
+    computed in fixed chunks of a whole sequence, so its value never depends on the batch.
+    """
+
+    def __init__(self, lm_head: torch.Tensor, chunk: int = 256):
+        self.lm_head, self.chunk, self._cache = lm_head, chunk, {}
+
+    @torch.no_grad()
+    def __call__(self, index: int, seq: Sequence) -> torch.Tensor:
+        if seq.target_lse is not None:
+            return seq.target_lse
+        if index not in self._cache:
+            self._cache[index] = torch.cat([torch.logsumexp(rows @ self.lm_head.T, -1)
+                                            for rows in seq.final_hidden.split(self.chunk)])
+        return self._cache[index]
+
+
+def crop(seq: Sequence, lse: torch.Tensor, max_len: int, gen: torch.Generator) -> tuple[Sequence, torch.Tensor]:
+    length = seq.tokens.shape[0]
+    if length <= max_len:
+        return seq, lse
+    s = int(torch.randint(0, length - max_len + 1, (1,), generator=gen))
+    w = slice(s, s + max_len)
+    return Sequence(seq.tokens[w], seq.loss_mask[w], seq.features[w], seq.final_hidden[w]), lse[w]
+
+
+def _target_rows(drafter, seq: Sequence, lse: torch.Tensor, positions: torch.Tensor):
+    """p^t of the token after each position, as (p_in [.., V'], mass_out [..])."""
+    with torch.no_grad():
+        logits = drafter.draft_logits(seq.final_hidden[positions])
+        return losses.target_probs(logits, lse[positions])
+
+
+def sequence_loss(drafter, seq: Sequence, lse: torch.Tensor, t: dict, budget: int, gen: torch.Generator) -> dict | None:
+    """The loss terms of one sequence with at most `budget` supervised rows; None if nothing to learn."""
+    length, gamma = seq.tokens.shape[0], drafter.gamma
+    if drafter.kind == "eagle3":
+        steps = t["ttt_steps"]
+        valid = ttt_validity(seq.loss_mask, steps)
+        rows = sample_rows(valid, budget, gen)
+        if rows.numel() == 0:
+            return None
+        step, pos = rows // (length - 1), rows % (length - 1)
+        hidden = drafter.train_forward(seq.features, seq.tokens, steps)
+        logits = drafter.draft_logits(hidden.reshape(-1, hidden.shape[-1])[rows])
+        p_in, mass_out = _target_rows(drafter, seq, lse, pos + 1)  # row p predicts token p+2
+        return losses.eagle3_loss(logits, p_in, mass_out, step, steps, t["ttt_decay"])
+
+    anchors = sample_anchors(seq.loss_mask, min(t["anchors_per_seq"], max(1, budget // gamma)), gen)
+    if anchors.numel() == 0:
+        return None
+    valid = slot_validity(anchors, seq.loss_mask, gamma)
+    logits, conf = drafter.train_forward(seq.features, seq.tokens, anchors)
+    slot_pos = (anchors[:, None] + torch.arange(gamma)).clamp(max=length - 1)  # slot k: hidden of a+k-1
+    p_in, mass_out = _target_rows(drafter, seq, lse, slot_pos)
+    token_index = drafter.to_draft_index(seq.tokens[(slot_pos + 1).clamp(max=length - 1)])
+    weights = losses.slot_weights(gamma, t["slot_decay"])
+    if drafter.kind == "dflash":
+        return losses.dflash_loss(logits, p_in, mass_out, token_index, valid, weights)
+    return losses.dspark_loss(logits, conf, p_in, mass_out, token_index, valid, weights, t["mix"])
+
+
+class DataOrder:
+    """Sequence index of global sample i: a fresh seeded permutation every epoch."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self._perms = n, seed, {}
+
+    def __call__(self, i: int) -> int:
+        epoch = i // self.n
+        if epoch not in self._perms:
+            self._perms = {epoch: torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + 7919 * epoch))}
+        return int(self._perms[epoch][i % self.n])
+
+
+# ---- checkpoints ----
+def _checkpoint_dirs(out: Path) -> list[Path]:
+    return sorted((out / "checkpoints").glob("step_*"))
+
+
+def save_checkpoint(out: Path, step: int, drafter, optimizer, scheduler, keep: int) -> Path:
+    final = out / "checkpoints" / f"step_{step:07d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(tmp / "model.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": torch.get_rng_state(), "step": step}, tmp / "trainer_state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)  # a checkpoint directory is either complete or absent
+    for old in _checkpoint_dirs(out)[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def load_checkpoint(path: Path, drafter, optimizer, scheduler) -> int:
+    drafter.load_state_dict(load_file(str(path / "model.safetensors")))
+    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    return state["step"]
+
+
+def _target_weights(target, name: str):
+    if target is None:
+        from dspark.models.loader import load_model
+        target = load_model(name).model
+    return target.config, target.model.embed_tokens.weight.detach().float(), target.lm_head.weight.detach().float()
+
+
+def _mean_logs(items: list[dict]) -> dict:
+    out = {}
+    for key in items[0]:
+        if key == "accept":
+            cols = list(zip(*[it["accept"] for it in items]))
+            out[key] = [float(torch.tensor(c).nanmean()) for c in cols]
+        else:
+            out[key] = sum(float(it[key]) for it in items) / len(items)
+    return out
+
+
+def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str | Path, resume: bool = True,
+          target=None, dataset=None, show_progress: bool = True, stop_after: int | None = None) -> dict:
+    """Train to the step budget (resuming from out_dir's latest checkpoint); return a summary.
+
+    target: a dspark Transformer giving the embedding / LM head (default: load config["target"]
+    or the dataset's target). dataset: any object with the CachedDataset interface (default:
+    CachedDataset(data_dir)). stop_after: end this run (after a checkpoint) once that many steps
+    are done in total, e.g. to time-box a session; a later call resumes.
+    """
+    cfg = load_train_config(config)
+    t = cfg["train"]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = dataset if dataset is not None else CachedDataset(data_dir)
+    target_cfg, embed, lm_head = _target_weights(target, cfg.get("target") or data.meta["target"])
+
+    drafter_fields = dict(cfg["drafter"])
+    kind = drafter_fields.pop("kind")
+    drafter_fields.setdefault("target", data.meta["target"])
+    drafter_fields.setdefault("version", f"{kind}-{t['steps']}")
+    dcfg = DrafterConfig.for_target(target_cfg, kind, data.ctx_layers, **drafter_fields)
+    draft_vocab = choose_draft_vocab(data.token_counts(dcfg.vocab_size), dcfg.draft_vocab_size) \
+        if dcfg.draft_vocab_size else None
+    torch.manual_seed(t["seed"])
+    drafter = build_drafter(dcfg, embed, lm_head, draft_vocab).train()
+    (out / "config.json").write_text(json.dumps({**cfg, "drafter": dcfg.to_dict()}, indent=2) + "\n")
+
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t["lr"], betas=tuple(t["betas"]), weight_decay=t["weight_decay"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t))
+    step = 0
+    if not resume:
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    checkpoints = _checkpoint_dirs(out)
+    if resume and checkpoints:
+        step = load_checkpoint(checkpoints[-1], drafter, optimizer, scheduler)
+    log_path = out / "log.jsonl"
+    kept = [line for line in (log_path.read_text().splitlines() if log_path.exists() and step else [])
+            if json.loads(line)["step"] <= step]
+    log_path.write_text("".join(line + "\n" for line in kept))  # drop lines past the checkpoint
+
+    lse = TargetLSE(drafter.lm_head_full)
+    order = DataOrder(len(data), t["seed"])
+    batch, budget = t["batch_sequences"], t["max_block_tokens"] // t["batch_sequences"]
+    n_params = sum(p.numel() for p in params)
+    print(f"training {kind}: {n_params / 1e6:.1f}M parameters, draft vocab {dcfg.draft_vocab}, "
+          f"{len(data)} sequences, steps {step}..{t['steps']}")
+    first = step
+    bar = tqdm(range(step, t["steps"]), initial=step, total=t["steps"], disable=not show_progress)
+    for step in bar:
+        began = time.perf_counter()
+        gen = torch.Generator().manual_seed(t["seed"] * 1_000_003 + step)
+        optimizer.zero_grad(set_to_none=True)
+        logs = []
+        for b in range(batch):
+            index = order(step * batch + b)
+            raw = data[index]
+            seq, seq_lse = crop(raw, lse(index, raw), t["max_seq_len"], gen)
+            result = sequence_loss(drafter, seq, seq_lse, t, budget, gen)
+            if result is None:
+                continue
+            (result["loss"] / batch).backward()
+            logs.append({k: (v.item() if torch.is_tensor(v) else v) for k, v in result.items()})
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t["grad_clip"])) if logs else 0.0
+        optimizer.step()
+        scheduler.step()
+        seconds = time.perf_counter() - began
+        record = {"step": step + 1, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "seconds": seconds,
+                  **(_mean_logs(logs) if logs else {})}
+        if "accept" in record:  # teacher-forced expected accepted length from the per-slot proxies
+            record["accept_len"] = float(torch.tensor([0.0 if math.isnan(a) else a for a in record["accept"]]).cumprod(0).sum())
+        with log_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if step == first:  # includes one-off costs (target logsumexp of new sequences): an upper bound
+            print(f"\nfirst step took {seconds:.2f} s: at most about {seconds * (t['steps'] - step) / 60:.1f} min "
+                  f"for the remaining {t['steps'] - step} steps")
+        bar.set_postfix(loss=f"{record.get('loss', float('nan')):.4f}", acc=f"{record.get('accept_len', 0):.2f}")
+        stopping = stop_after is not None and step + 1 >= stop_after
+        if (step + 1) % t["save_every"] == 0 or step + 1 == t["steps"] or stopping:
+            save_checkpoint(out, step + 1, drafter, optimizer, scheduler, t["keep_checkpoints"])
+        if stopping:
+            break
+    bar.close()
+
+    drafter.eval()
+    save_drafter(drafter, out / "drafter")
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    plot_losses(records, out / "loss.png")
+    done = records[-1]["step"] if records else 0
+    return {"drafter_dir": str(out / "drafter"), "steps_done": done, "steps": t["steps"], "log": str(log_path),
+            "final": records[-1] if records else {}}
+
+
+def plot_losses(records: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in ("loss", "ce", "tv", "conf", "soft_ce", "accept_len") if any(k in r for r in records)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for k in keys:
+        pts = [(r["step"], r[k]) for r in records if k in r]
+        axes[1 if k == "accept_len" else 0].plot(*zip(*pts), label=k, linewidth=1)
+    axes[0].set_xlabel("step"), axes[0].set_title("training losses"), axes[0].legend()
+    axes[1].set_xlabel("step"), axes[1].set_title("teacher-forced expected accepted length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="training config JSON (dspark/train/configs/)")
+    parser.add_argument("--data", required=True, help="cached dataset directory (meta.json + shards)")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    summary = train(args.config, args.data, args.out, resume=not args.no_resume)
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

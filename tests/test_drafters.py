@@ -1,0 +1,189 @@
+import pytest
+import torch
+
+from dspark.drafters import DrafterConfig, build_drafter
+from dspark.drafters.checkpoint import load_drafter, save_drafter
+from dspark.engine.batch import VarlenBatch
+from dspark.models.config import ModelConfig
+from dspark.models.transformer import Transformer
+
+CTX_LAYERS = [1, 2]
+GAMMA = 4
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny tensors: threads only add contention on a shared machine.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    return Transformer(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def sequence(target):
+    tokens = torch.randint(0, 64, (24,), generator=torch.Generator().manual_seed(1))
+    out = target(VarlenBatch.build([tokens.tolist()], [0]), capture_layers=CTX_LAYERS, logits_rows=None)
+    return tokens, out.features
+
+
+def make(target, kind, seed=0, **overrides):
+    torch.manual_seed(seed)
+    fields = dict(gamma=GAMMA, markov_rank=16, support_size=4)
+    fields.update(overrides)
+    cfg = DrafterConfig.for_target(target.config, kind, CTX_LAYERS, **fields)
+    drafter = build_drafter(cfg, target.model.embed_tokens.weight, target.lm_head.weight,
+                            draft_vocab=overrides.get("draft_vocab_size") and torch.arange(0, 64, 2)[:overrides["draft_vocab_size"]])
+    with torch.no_grad():  # zero-initialised heads would hide bugs: randomise everything
+        for p in drafter.parameters():
+            p.normal_(0, 0.3)
+    return drafter.eval()
+
+
+KINDS = [("dspark", {}), ("dspark", {"head": "rnn"}), ("dflash", {}), ("eagle3", {}),
+         ("dspark", {"draft_vocab_size": 24})]
+
+
+@pytest.mark.parametrize("kind,overrides", KINDS)
+def test_training_forward_equals_inference(target, sequence, kind, overrides):
+    tokens, features = sequence
+    drafter = make(target, kind, **overrides)
+    anchor = 13
+    drafter.extend_context("r", features[:anchor], tokens[:anchor])
+    forced = tokens[anchor + 1:anchor + 1 + GAMMA][None]
+    block = drafter.draft(["r"], tokens[anchor:anchor + 1], torch.zeros(1), [None], forced_tokens=forced,
+                          return_logits=True)
+    with torch.no_grad():
+        if kind == "eagle3":  # step j of the unrolled chain that starts at position anchor-1
+            hidden = drafter.train_forward(features, tokens, GAMMA)
+            train_logits = torch.stack([drafter.draft_logits(hidden[j, anchor - 1 + j]) for j in range(GAMMA)])
+        else:  # the block at `anchor` among other blocks of the same sequence
+            logits, conf = drafter.train_forward(features, tokens, torch.tensor([2, anchor, 20]))
+            train_logits = logits[1]
+            if kind == "dspark":
+                torch.testing.assert_close(conf[1], block.conf_logits[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(train_logits, block.logits[0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(block.tokens[0], forced[0])
+    # Greedy drafting picks the argmax of the same logits when fed its own tokens.
+    greedy = drafter.draft(["r"], tokens[anchor:anchor + 1], torch.zeros(1), [None], return_logits=True)
+    again = drafter.draft(["r"], tokens[anchor:anchor + 1], torch.zeros(1), [None], forced_tokens=greedy.tokens,
+                          return_logits=True)
+    assert torch.equal(drafter.draft_vocab[again.logits[0].argmax(-1)], greedy.tokens[0])
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_block_never_sees_context_at_or_after_its_anchor(target, sequence, kind):
+    tokens, features = sequence
+    drafter = make(target, kind)
+    anchor = 10
+    with torch.no_grad():
+        base, _ = drafter.train_forward(features, tokens, torch.tensor([anchor]))
+        later = features.clone()
+        later[anchor:] += 5.0
+        same, _ = drafter.train_forward(later, tokens, torch.tensor([anchor]))
+        earlier = features.clone()
+        earlier[anchor - 1] += 5.0
+        changed, _ = drafter.train_forward(earlier, tokens, torch.tensor([anchor]))
+    torch.testing.assert_close(base, same)
+    assert (base - changed).abs().max() > 1e-3
+
+
+def _draft_seeded(drafter, req_ids, anchors, seed=5):
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(len(req_ids))]
+    return drafter.draft(req_ids, anchors, torch.ones(len(req_ids)), gens)
+
+
+def _assert_same_block(a, b):
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.equal(a.support_ids, b.support_ids)
+    torch.testing.assert_close(a.support_probs, b.support_probs, atol=1e-5, rtol=1e-5)
+    if a.conf_logits is not None:
+        torch.testing.assert_close(a.conf_logits, b.conf_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+def test_drafting_after_rollback_equals_fresh_context(target, sequence, kind):
+    tokens, features = sequence
+    drafter = make(target, kind)
+    drafter.extend_context("r", features[:7], tokens[:7])  # in pieces, with drafts in between
+    _draft_seeded(drafter, ["r"], tokens[7:8])
+    drafter.extend_context("r", features[7:16], tokens[7:16])
+    _draft_seeded(drafter, ["r"], tokens[16:17])
+    drafter.rollback("r", 10)
+    assert drafter.context_len("r") == 10
+    drafter.extend_context("r", features[10:12], tokens[10:12])
+    after = _draft_seeded(drafter, ["r"], tokens[12:13])
+    drafter.extend_context("fresh", features[:12], tokens[:12])
+    fresh = _draft_seeded(drafter, ["fresh"], tokens[12:13])
+    _assert_same_block(after, fresh)
+    drafter.release("r")
+    assert drafter.context_len("r") == 0
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+def test_batched_drafting_equals_one_by_one(target, sequence, kind):
+    tokens, features = sequence
+    drafter = make(target, kind)
+    lengths = {"a": 5, "b": 17, "c": 11}
+    for req, n in lengths.items():
+        drafter.extend_context(req, features[:n], tokens[:n])
+    anchors = torch.stack([tokens[n] for n in lengths.values()])
+    batched = _draft_seeded(drafter, list(lengths), anchors)
+    for i, req in enumerate(lengths):
+        gens = [torch.Generator().manual_seed(5 + i)]
+        single = drafter.draft([req], anchors[i:i + 1], torch.ones(1), gens)
+        assert torch.equal(single.tokens[0], batched.tokens[i])
+        torch.testing.assert_close(single.support_probs[0], batched.support_probs[i], atol=1e-5, rtol=1e-5)
+
+
+def test_draft_block_shapes_and_exact_support(target, sequence):
+    tokens, features = sequence
+    drafter = make(target, "dspark", draft_vocab_size=24)
+    for req in ("x", "y"):
+        drafter.extend_context(req, features[:9], tokens[:9])
+    block = drafter.draft(["x", "y"], tokens[9:11], torch.tensor([1.0, 0.0]),
+                          [torch.Generator().manual_seed(0), None])
+    assert block.tokens.shape == (2, GAMMA) and block.tokens.dtype == torch.int64
+    assert block.conf_logits.shape == (2, GAMMA) and block.conf_logits.dtype == torch.float32
+    assert block.support_ids.shape == (2, GAMMA, 4) and block.support_probs.shape == (2, GAMMA, 4)
+    torch.testing.assert_close(block.support_probs.sum(-1), torch.ones(2, GAMMA))
+    assert (block.support_ids == block.tokens[..., None]).any(-1).all()  # each token is in its support
+    assert torch.isin(block.tokens, drafter.draft_vocab).all()  # only the draft vocabulary is proposed
+    assert torch.equal(block.support_probs[1, :, 0], torch.ones(GAMMA))  # greedy row: support of one
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_save_load_round_trip_gives_identical_drafts(target, sequence, kind, tmp_path):
+    tokens, features = sequence
+    drafter = make(target, kind, draft_vocab_size=24, version="v-test")
+    save_drafter(drafter, tmp_path / "fp32", dtype=torch.float32)
+    loaded = load_drafter(tmp_path / "fp32", target.model.embed_tokens.weight, target.lm_head.weight)
+    assert loaded.cfg == drafter.cfg and loaded.version == "v-test"
+    for d in (drafter, loaded):
+        d.extend_context("r", features[:14], tokens[:14])
+    _assert_same_block(_draft_seeded(drafter, ["r"], tokens[14:15]), _draft_seeded(loaded, ["r"], tokens[14:15]))
+    # bf16 (the shipped form) reproduces the bf16-rounded original
+    save_drafter(drafter, tmp_path / "bf16")
+    small = load_drafter(tmp_path / "bf16", target.model.embed_tokens.weight, target.lm_head.weight)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    drafter.release("r")
+    for d in (drafter, small):
+        d.extend_context("r", features[:14], tokens[:14])
+    _assert_same_block(_draft_seeded(drafter, ["r"], tokens[14:15]), _draft_seeded(small, ["r"], tokens[14:15]))
+
+
+def test_load_refuses_a_different_target(target, tmp_path):
+    drafter = make(target, "dflash")
+    save_drafter(drafter, tmp_path / "d")
+    with pytest.raises(ValueError):
+        load_drafter(tmp_path / "d", torch.zeros(64, 16), torch.zeros(64, 16))
