@@ -46,12 +46,14 @@ class ContextCache:
         `like` gives the row shape and dtype for requests that have no rows yet.
         """
         lengths = [self.length(r) for r in req_ids]
+        if len(req_ids) == 1 and lengths[0]:  # one request: a view, no copy
+            return self.rows(req_ids[0])[None], torch.ones(1, lengths[0], dtype=torch.bool, device=like.device)
         longest = max(lengths, default=0)
         out = like.new_zeros((len(req_ids), longest, *like.shape[1:]))
         for i, (req, n) in enumerate(zip(req_ids, lengths)):
             if n:
                 out[i, :n] = self._store[req][:n]
-        valid = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
+        valid = torch.arange(longest, device=like.device)[None, :] < torch.tensor(lengths, device=like.device)[:, None]
         return out, valid
 
     def release(self, req_id: str) -> None:

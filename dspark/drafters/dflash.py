@@ -74,7 +74,7 @@ class ParallelDrafter(Drafter):
         """
         L = tokens.shape[0]
         kv = [(k.transpose(0, 1)[None], v.transpose(0, 1)[None]) for k, v in self.context_kv(features, 0)]
-        ctx_visible = (torch.arange(L, device=tokens.device)[None, :] <= anchors[:, None])[None]
+        ctx_visible = (torch.arange(L, device=tokens.device)[None, :] < anchors[:, None])[None]
         hidden = self.run_blocks(tokens[anchors][None], anchors[None], kv, ctx_visible)[0]
         # x_{k-1} for slot k: the anchor, then the true tokens (clamped at the end; those slots are invalid).
         prev_pos = (anchors[:, None] + torch.arange(self.gamma, device=tokens.device)).clamp(max=L - 1)
@@ -87,18 +87,19 @@ class ParallelDrafter(Drafter):
             raise ValueError(f"{features.shape[0]} feature rows for {tokens.shape[0]} tokens")
         if features.shape[0] == 0:
             return
-        kv = self.context_kv(features, self.context_len(req_id))
+        kv = self.context_kv(features.to(self.lm_head_draft.device), self.context_len(req_id))
         rows = torch.stack([torch.stack([k, v], dim=1) for k, v in kv], dim=1)  # [n, layers, 2, KV, hd]
         self.contexts.append(req_id, rows)
 
     @torch.no_grad()
     def draft(self, req_ids, anchors, temperatures, generators, forced_tokens=None, return_logits=False):
         cfg = self.cfg
-        anchors = anchors.long()
-        like = torch.empty(0, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)
+        anchors = anchors.long().to(self.lm_head_draft.device)
+        device = self.lm_head_draft.device
+        like = torch.empty(0, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, device=device)
         kv, valid = self.contexts.padded(req_ids, like)  # [R, L, layers, 2, KV, hd]
         ctx_kv = [(kv[:, :, i, 0].transpose(1, 2), kv[:, :, i, 1].transpose(1, 2)) for i in range(cfg.num_layers)]
-        starts = torch.tensor([self.context_len(r) for r in req_ids])
+        starts = torch.tensor([self.context_len(r) for r in req_ids], device=device)
         hidden = self.run_blocks(anchors[:, None], starts[:, None], ctx_kv, valid[:, None])[:, 0]
         return self.sample_block(hidden, anchors, temperatures, generators, forced_tokens, return_logits)
 
@@ -110,11 +111,12 @@ class ParallelDrafter(Drafter):
         tokens, confs, ids, probs, all_logits = [], [], [], [], []
         for k in range(self.gamma):
             logits = base[:, k]
+            prev_emb = self.head.W1(prev) if self.head is not None else None
             if self.head is not None:
-                bias, state = self.head.step(hidden[:, k], prev, state)
+                bias, state = self.head.step(hidden[:, k], prev_emb, state)
                 logits = logits + bias
             if self.confidence_head is not None:
-                confs.append(self.confidence_head(hidden[:, k], self.head.W1(prev) if self.head is not None else None))
+                confs.append(self.confidence_head(hidden[:, k], prev_emb))
             forced = forced_tokens[:, k] if forced_tokens is not None else None
             prev, slot_ids, slot_probs = self.sample_slot(logits, temperatures, generators, forced)
             tokens.append(prev), ids.append(slot_ids), probs.append(slot_probs), all_logits.append(logits)

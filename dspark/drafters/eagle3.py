@@ -117,8 +117,9 @@ class Eagle3Drafter(Drafter):
         n = self.context_len(req_id)
         if self.kv.length(req_id) == n and n > 0 and self._kv_next_token.get(req_id) != int(tokens[0]):
             self.kv.truncate(req_id, n - 1)  # the last key assumed a different next token
-        self.contexts.append(req_id, self.fuse(features.float()))
-        self.ctx_tokens.append(req_id, tokens.long())
+        device = self.lm_head_draft.device
+        self.contexts.append(req_id, self.fuse(features.to(device).float()))
+        self.ctx_tokens.append(req_id, tokens.to(device).long())
 
     def rollback(self, req_id: str, n_ctx: int) -> None:
         if n_ctx < self.context_len(req_id):
@@ -140,8 +141,8 @@ class Eagle3Drafter(Drafter):
         have = min(self.kv.length(req_id), n - 1)  # always recompute n-1: it is the first draft step
         self.kv.truncate(req_id, have)
         toks = self.ctx_tokens.rows(req_id)
-        next_tokens = torch.cat([toks[have + 1:n], torch.tensor([anchor])])
-        positions = torch.arange(have, n)
+        next_tokens = torch.cat([toks[have + 1:n], torch.tensor([anchor], device=toks.device)])
+        positions = torch.arange(have, n, device=toks.device)
         cos, sin = self.rotary.cos_sin(positions)
         u = self.layer_input(self.contexts.rows(req_id)[have:n], next_tokens)
         q, k, v = self.layer.project(u, cos, sin)
@@ -149,7 +150,7 @@ class Eagle3Drafter(Drafter):
         self._kv_next_token[req_id] = anchor
         cached = self.kv.rows(req_id)  # [n, 2, KV, hd]
         keys, vals = self.layer.expand(cached[:, 0].transpose(0, 1)), self.layer.expand(cached[:, 1].transpose(0, 1))
-        causal = torch.arange(n)[None, :] <= positions[:, None]
+        causal = torch.arange(n, device=toks.device)[None, :] <= positions[:, None]
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals, attn_mask=causal)
         return self.layer.finish(u, out.transpose(0, 1))[-1]
 
@@ -158,12 +159,13 @@ class Eagle3Drafter(Drafter):
     def draft(self, req_ids, anchors, temperatures, generators, forced_tokens=None, return_logits=False):
         cfg = self.cfg
         anchors = anchors.long()
+        device = self.lm_head_draft.device
         prev_out = torch.stack([self._catch_up(r, int(a)) for r, a in zip(req_ids, anchors)])  # step 1 at n-1
-        like = torch.empty(0, 2, cfg.num_kv_heads, cfg.head_dim)
+        like = torch.empty(0, 2, cfg.num_kv_heads, cfg.head_dim, device=device)
         cached, valid = self.kv.padded(req_ids, like)  # [R, L, 2, KV, hd]
         keys = self.layer.expand(cached[:, :, 0].transpose(1, 2))  # [R, H, L, hd]
         vals = self.layer.expand(cached[:, :, 1].transpose(1, 2))
-        starts = torch.tensor([self.context_len(r) for r in req_ids])
+        starts = torch.tensor([self.context_len(r) for r in req_ids], device=device)
         tokens, ids, probs, all_logits = [], [], [], []
         for k in range(self.gamma):
             if k > 0:  # draft step k+1 at position n+k-1, fed its own previous output and x_k
@@ -172,7 +174,7 @@ class Eagle3Drafter(Drafter):
                 q, key, val = self.layer.project(u, cos, sin)
                 keys = torch.cat([keys, self.layer.expand(key[:, :, None])], dim=2)
                 vals = torch.cat([vals, self.layer.expand(val[:, :, None])], dim=2)
-                valid = torch.cat([valid, torch.ones(len(req_ids), 1, dtype=torch.bool)], dim=1)
+                valid = torch.cat([valid, torch.ones(len(req_ids), 1, dtype=torch.bool, device=device)], dim=1)
                 out = F.scaled_dot_product_attention(q[:, :, None], keys, vals, attn_mask=valid[:, None, None, :])
                 prev_out = self.layer.finish(u, out[:, :, 0])
             logits = self.draft_logits(self.norm(prev_out))

@@ -2,7 +2,9 @@
 
 A sequential head turns the parallel backbone into a semi-autoregressive drafter:
 p_k(v) = softmax(U_k(v) + B_k(x_{k-1}, v)), x_0 = the anchor. Both heads run one slot at a time
-through `step`, during drafting (x_{k-1} sampled) and in training (x_{k-1} the true token).
+through `step(h_k, W1[x_{k-1}], state)`, during drafting (x_{k-1} sampled) and in training
+(x_{k-1} the true token). W1 is looked up once per block in training: each lookup's backward
+is a dense V x r gradient.
 """
 from __future__ import annotations
 
@@ -23,8 +25,11 @@ class MarkovHead(nn.Module):
     def init_state(self, rows: int, like: torch.Tensor):
         return None
 
-    def step(self, h_k: torch.Tensor, prev: torch.Tensor, state):
-        return self.W2(self.W1(prev)), state
+    def step(self, h_k: torch.Tensor, prev_emb: torch.Tensor, state):
+        return self.W2(prev_emb), state
+
+    def teacher_forced(self, h: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
+        return self.W2(prev_emb)  # no state: every slot at once, one large matmul
 
 
 class RNNHead(nn.Module):
@@ -46,11 +51,18 @@ class RNNHead(nn.Module):
     def init_state(self, rows: int, like: torch.Tensor):
         return like.new_zeros(rows, self.rank)
 
-    def step(self, h_k: torch.Tensor, prev: torch.Tensor, state: torch.Tensor):
-        z = torch.cat([state, self.W1(prev), h_k], dim=-1)
+    def step(self, h_k: torch.Tensor, prev_emb: torch.Tensor, state: torch.Tensor):
+        z = torch.cat([state, prev_emb, h_k], dim=-1)
         g = torch.sigmoid(self.W_g(z))
         new_state = g * state + (1 - g) * torch.tanh(self.W_c(z))
         return self.W2(torch.tanh(self.W_o(z))), new_state
+
+    def teacher_forced(self, h: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
+        state, biases = self.init_state(h.shape[0], h), []
+        for k in range(h.shape[1]):
+            bias, state = self.step(h[:, k], prev_emb[:, k], state)
+            biases.append(bias)
+        return torch.stack(biases, 1)
 
 
 class ConfidenceHead(nn.Module):
@@ -67,12 +79,7 @@ class ConfidenceHead(nn.Module):
 
 def run_teacher_forced(head, confidence: ConfidenceHead | None, h: torch.Tensor, prev: torch.Tensor):
     """All slots of [A, g] blocks with the true previous tokens: (bias [A, g, V'] or None, conf [A, g] or None)."""
-    biases, confs = [], []
-    state = head.init_state(h.shape[0], h) if head is not None else None
-    for k in range(h.shape[1]):
-        if head is not None:
-            bias, state = head.step(h[:, k], prev[:, k], state)
-            biases.append(bias)
-        if confidence is not None:
-            confs.append(confidence(h[:, k], head.W1(prev[:, k]) if head is not None else None))
-    return (torch.stack(biases, 1) if biases else None), (torch.stack(confs, 1) if confs else None)
+    prev_emb = head.W1(prev) if head is not None else None  # [A, g, r], one lookup
+    bias = head.teacher_forced(h, prev_emb) if head is not None else None
+    conf = confidence(h, prev_emb) if confidence is not None else None
+    return bias, conf

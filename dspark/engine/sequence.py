@@ -30,6 +30,11 @@ class Sequence:
     generator: torch.Generator | None = None
     max_len: int | None = None  # context limit of the engine (prompt + output)
     captured: list = field(default_factory=list)  # (features, final hidden) per pass, when asked
+    # Speculation: target features of decided positions (bf16 chunks) and how many the drafter has.
+    feature_log: list = field(default_factory=list)
+    drafter_synced: int = 0
+    max_draft: int | None = None  # per-request cap on draft tokens per step (0 disables speculation)
+    metrics: object = None
 
     def __post_init__(self):
         if self.generator is None:

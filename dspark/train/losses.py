@@ -23,6 +23,7 @@ def slot_weights(gamma: int, decay: float = 4.0) -> torch.Tensor:
 def weighted_mean(values: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum(w_k v) / sum(w_k) over valid entries; weights broadcast over the last dim. 0 if none is valid."""
     w = weights.to(values.device) * valid.float()
+    values = torch.where(valid, values, torch.zeros_like(values))  # whatever invalid rows hold stays out
     return (values * w).sum() / w.sum().clamp(min=1e-12)
 
 

@@ -3,7 +3,7 @@
 The target's states are recorded while it generates (every token it is fed), so no second
 pass is needed. Output: sharded safetensors in the format of docs/drafter_format.md
 (tokens, loss_mask, features [N, m*d] bf16, final_hidden [N, d] bf16, offsets). Resumable:
-each shard covers a fixed range of prompts and finished shards are skipped.
+each shard lists the prompts it holds, and those are skipped on restart.
 
     python -m dspark.train.prepare --out data/smollm2 --num-prompts 1200
 """
@@ -56,7 +56,8 @@ def main(argv=None):
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out", required=True)
     ap.add_argument("--num-prompts", type=int, default=1200)
-    ap.add_argument("--shard-size", type=int, default=48, help="prompts per shard (also the batch size)")
+    ap.add_argument("--shard-size", type=int, default=64, help="sequences per shard file")
+    ap.add_argument("--batch", type=int, default=48, help="sequences decoded together")
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--num-ctx-layers", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
@@ -79,40 +80,46 @@ def main(argv=None):
           f"up to {args.max_new_tokens} new tokens each; estimated size {est / 2**30:.2f} GiB "
           f"({per_token / 1024:.1f} KiB per token)", flush=True)
 
-    shards = []
-    num_shards = (len(encoded) + args.shard_size - 1) // args.shard_size
-    bar = tqdm(total=len(encoded), desc="prepare", unit="prompt")
-    generated, t0 = 0, time.time()
-    for s in range(num_shards):
-        name = f"shard_{s:05d}.safetensors"
-        shards.append(name)
-        lo, hi = s * args.shard_size, min(len(encoded), (s + 1) * args.shard_size)
-        if (out / name).exists():
-            bar.update(hi - lo)
-            continue
-        engine = Engine(model, max_batch=hi - lo, max_len=max(map(len, encoded[lo:hi])) + args.max_new_tokens + 1,
-                        capture_layers=tuple(ctx_layers))
-        params = [SamplingParams(max_tokens=args.max_new_tokens, seed=args.seed * 1_000_003 + i, **REFERENCE_SAMPLING)
-                  for i in range(lo, hi)]
-
-        def progress(events):
-            nonlocal generated
-            generated += len(events)
-            bar.set_postfix(tok_s=f"{generated / (time.time() - t0):.0f}")
-
-        seqs = engine.generate(encoded[lo:hi], params, progress=progress)
-        write_shard(out / name, [sequence_record(q) for q in seqs])
-        bar.update(hi - lo)
-        _write_meta(out, loaded.name, ctx_layers, cfg.hidden_size, shards, args)
+    # Resume: every finished shard lists the prompts it holds.
+    done = set()
+    for sidecar in sorted(out.glob("shard_*.json")):
+        if sidecar.with_suffix(".safetensors").exists():
+            done.update(json.loads(sidecar.read_text()))
+    todo = [i for i in range(len(encoded)) if i not in done]
+    # One engine for everything left, so a finished sequence's slot is refilled at once
+    # (no batch tail); a shard is written whenever shard-size sequences have finished.
+    engine = Engine(model, max_batch=args.batch, max_len=max(map(len, encoded)) + args.max_new_tokens + 1,
+                    capture_layers=tuple(ctx_layers))
+    index_of = {}
+    for i in todo:
+        params = SamplingParams(max_tokens=args.max_new_tokens, seed=args.seed * 1_000_003 + i, **REFERENCE_SAMPLING)
+        index_of[engine.add(encoded[i], params).req_id] = i
+    bar = tqdm(total=len(encoded), initial=len(done), desc="prepare", unit="prompt")
+    finished, generated, t0 = [], 0, time.time()
+    shard_id = len(list(out.glob("shard_*.safetensors")))
+    while engine.has_work():
+        events = engine.step()
+        generated += len(events)
+        for seq, _ in events:
+            if seq.done:
+                finished.append(seq)
+                bar.update(1)
+        bar.set_postfix(tok_s=f"{generated / (time.time() - t0):.0f}", running=len(engine.running))
+        if len(finished) >= args.shard_size or (finished and not engine.has_work()):
+            name = f"shard_{shard_id:05d}"
+            write_shard(out / f"{name}.safetensors", [sequence_record(q) for q in finished])
+            (out / f"{name}.json").write_text(json.dumps([index_of[q.req_id] for q in finished]))
+            finished, shard_id = [], shard_id + 1
+            _write_meta(out, loaded.name, ctx_layers, cfg.hidden_size, args)
     bar.close()
-    _write_meta(out, loaded.name, ctx_layers, cfg.hidden_size, shards, args)
-    print(f"done: {len(shards)} shards in {out}")
+    _write_meta(out, loaded.name, ctx_layers, cfg.hidden_size, args)
+    print(f"done: {shard_id} shards in {out}")
 
 
-def _write_meta(out: Path, target: str, ctx_layers, d: int, shards: list[str], args) -> None:
-    done = [s for s in shards if (out / s).exists()]
-    meta = dict(target=target, ctx_layers=list(ctx_layers), hidden_size=d, shards=done,
-                num_sequences=sum(min(args.shard_size, args.num_prompts - int(s[6:11]) * args.shard_size) for s in done),
+def _write_meta(out: Path, target: str, ctx_layers, d: int, args) -> None:
+    shards = sorted(p.name for p in out.glob("shard_*.safetensors"))
+    count = sum(len(json.loads((out / s).with_suffix(".json").read_text())) for s in shards)
+    meta = dict(target=target, ctx_layers=list(ctx_layers), hidden_size=d, shards=shards, num_sequences=count,
                 sampling=REFERENCE_SAMPLING, max_new_tokens=args.max_new_tokens, seed=args.seed)
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
 

@@ -1,0 +1,172 @@
+"""Speculative decoding with continuous batching in one process.
+
+Per step, for the running batch:
+  1. the drafter (any `dspark.drafters.Drafter`) proposes gamma tokens per running request,
+  2. a policy picks how many of them each request verifies (l_r),
+  3. one varlen target pass over [anchor, d_1..d_l] per request (plus prompts of new requests),
+  4. chain rejection sampling keeps the output distribution exactly the target's,
+  5. the KV cache rolls back to the accepted prefix; the drafter receives the target features
+     of the newly decided positions before its next draft.
+A request that just arrived is prefilled in the same pass and sampled like plain decoding (a
+verification with zero drafts). If the drafter fails, the step verifies no drafts.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.engine.batch import VarlenBatch
+from dspark.engine.generate import Engine
+from dspark.engine.sequence import Sequence
+from dspark.sampling import logits_to_probs
+from dspark.spec.errors import DrafterUnavailable
+from dspark.spec.metrics import SpecMetrics
+from dspark.spec.policy import FixedK
+from dspark.spec.rejection import draw_uniforms, rejection_sample_auto
+
+
+@dataclass
+class StepReport:
+    """What one step did: for load reports, SPS profiling and online calibration."""
+    batch_size: int = 0
+    batch_tokens: int = 0
+    seconds: float = 0.0
+    draft_seconds: float = 0.0
+    req_ids: list[str] = field(default_factory=list)  # requests that had drafts this step
+    conf_logits: torch.Tensor | None = None  # [R, gamma] raw confidences of those drafts
+    verified: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+
+class SpecEngine(Engine):
+    def __init__(self, model, drafter=None, policy=None, **kw):
+        self.drafter = drafter
+        self.policy = policy or FixedK(drafter.gamma if drafter is not None else 0)
+        super().__init__(model, capture_layers=tuple(drafter.ctx_layers) if drafter is not None else (), **kw)
+        self.last_report = StepReport()
+
+    def add(self, prompt, params=None, req_id=None, max_draft: int | None = None) -> Sequence:
+        seq = super().add(prompt, params, req_id)
+        seq.max_draft = max_draft
+        seq.metrics = SpecMetrics()
+        return seq
+
+    def _release(self, seq: Sequence) -> None:
+        super()._release(seq)
+        seq.feature_log = []
+        if self.drafter is not None:
+            try:
+                self.drafter.release(seq.req_id)
+            except DrafterUnavailable:
+                pass  # the drafter frees it when it notices the request is gone
+
+    # ---- drafting ---------------------------------------------------------------------------
+    def _sync_drafter(self, seq: Sequence) -> None:
+        """Send the drafter the target features of decided positions it has not seen."""
+        have = self.drafter.context_len(seq.req_id)
+        if have != seq.drafter_synced:  # it lost or kept extra state: resend from what it has
+            seq.drafter_synced = min(have, seq.drafter_synced)
+            self.drafter.rollback(seq.req_id, seq.drafter_synced)
+        if seq.drafter_synced < seq.cached:
+            feats = torch.cat(seq.feature_log)[seq.drafter_synced:seq.cached]
+            toks = torch.tensor(seq.tokens[seq.drafter_synced:seq.cached])
+            self.drafter.extend_context(seq.req_id, feats.float(), toks)
+            seq.drafter_synced = seq.cached
+
+    def _draft(self, seqs: list[Sequence]):
+        if self.drafter is None or not seqs:
+            return None, [0] * len(seqs)
+        caps = [self._cap(s) for s in seqs]
+        if max(caps) == 0:
+            return None, caps
+        try:
+            for s in seqs:
+                self._sync_drafter(s)
+            block = self.drafter.draft(
+                [s.req_id for s in seqs], torch.tensor([s.tokens[-1] for s in seqs]),
+                torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32),
+                [s.generator for s in seqs])
+        except DrafterUnavailable:
+            return None, [0] * len(seqs)
+        return block, self.policy.lengths(block, caps)
+
+    def _cap(self, seq: Sequence) -> int:
+        """Most drafts this request may verify: block size, its override, room left."""
+        room = min(self.max_len - seq.cached - 1, seq.params.max_tokens - len(seq.output) - 1)
+        cap = self.drafter.gamma if seq.max_draft is None else min(seq.max_draft, self.drafter.gamma)
+        return max(0, min(cap, room))
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[tuple[Sequence, list[int]]]:
+        t0 = time.perf_counter()
+        running = [s for s in self.running]
+        admitted = self._admit()
+        decoding = [s for s in running]  # requests already past their prefill
+        block, lens = self._draft(decoding)
+        t_draft = time.perf_counter() - t0
+        seqs = admitted + decoding
+        if not seqs:
+            return []
+        lens = [0] * len(admitted) + list(lens)
+        drafts = [[] for _ in admitted] + [block.tokens[i, :n].tolist() if n else [] for i, n in enumerate(lens[len(admitted):])]
+        heads = [s.pending() for s in seqs]  # prompt for new requests, the anchor for the others
+        batch = VarlenBatch.build([h + d for h, d in zip(heads, drafts)], [s.cached for s in seqs], [s.slot for s in seqs])
+
+        # Logits where a decision is made: each draft position and the bonus position.
+        rows, first = [], 0
+        for h, n in zip(heads, lens):
+            rows.extend(range(first + len(h) - 1, first + len(h) + n))
+            first += len(h) + n
+        out = self.model(batch, self.cache, capture_layers=self.capture_layers, logits_rows=torch.tensor(rows))
+
+        per_row = lambda values: torch.tensor([v for v, n in zip(values, lens) for _ in range(n + 1)])  # noqa: E731
+        probs = logits_to_probs(out.logits, per_row([s.params.temperature for s in seqs]).float(),
+                                per_row([s.params.top_k for s in seqs]).long(),
+                                per_row([s.params.top_p for s in seqs]).float())
+        draft_lens = torch.tensor(lens, dtype=torch.long)
+        if block is not None and sum(lens):
+            spec_rows = [(i, j) for i, n in enumerate(lens[len(admitted):]) for j in range(n)]
+            idx_r, idx_j = torch.tensor([r for r, _ in spec_rows]), torch.tensor([j for _, j in spec_rows])
+            draft_tokens = block.tokens[idx_r, idx_j]
+            support_ids, support_probs = block.support_ids[idx_r, idx_j], block.support_probs[idx_r, idx_j]
+        else:
+            draft_tokens = torch.empty(0, dtype=torch.long)
+            support_ids, support_probs = torch.empty(0, 1, dtype=torch.long), torch.empty(0, 1)
+        u_acc, u_res = draw_uniforms(draft_lens, [s.generator for s in seqs])
+        num_acc, out_tokens = rejection_sample_auto(probs, draft_tokens, support_ids, support_probs,
+                                                    draft_lens, u_acc, u_res)
+
+        report = StepReport(batch_size=len(seqs), batch_tokens=len(batch.tokens), draft_seconds=t_draft)
+        events, first = [], 0
+        for i, seq in enumerate(seqs):
+            n_acc, n_head = int(num_acc[i]), len(heads[i])
+            kept = n_head + n_acc  # rows of this pass that are now decided context
+            rows_i = slice(first, first + kept)
+            first += n_head + lens[i]
+            if self.capture_layers:
+                seq.feature_log.append(out.features[rows_i].to(torch.bfloat16))
+            seq.cached += kept
+            self.cache.rollback(seq.slot, seq.cached)
+            new = []
+            for tok in out_tokens[i, : n_acc + 1].tolist():
+                seq.append(tok, self.eos_ids)
+                new.append(tok)
+                if seq.done:
+                    break
+            if i >= len(admitted):
+                seq.metrics.record(lens[i], n_acc, len(new))
+                if lens[i]:
+                    report.req_ids.append(seq.req_id)
+                    report.verified.append(lens[i])
+                    report.accepted.append(n_acc)
+            events.append((seq, new))
+            if seq.done:
+                self._release(seq)
+        if block is not None and block.conf_logits is not None and report.req_ids:
+            keep = [i for i, n in enumerate(lens[len(admitted):]) if n]
+            report.conf_logits = block.conf_logits[keep]
+        report.seconds = time.perf_counter() - t0
+        self.last_report = report
+        return events

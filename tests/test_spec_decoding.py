@@ -1,0 +1,140 @@
+"""Speculative decoding keeps the target's output exactly (greedy identical, sampling in distribution)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.sampling import SamplingParams
+from dspark.spec.engine import SpecEngine
+from dspark.spec.errors import DrafterUnavailable
+from dspark.spec.policy import FixedK
+from tests.spec_helpers import OracleDrafter, greedy_reference, random_drafter, tiny_target
+
+KINDS = ["dspark", "dflash", "eagle3"]
+
+
+def prompts_of(lengths, vocab=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("concurrent", [1, 8])
+def test_greedy_identical_with_random_drafter(kind, concurrent):
+    target = tiny_target()
+    prompts = prompts_of([5, 17, 9, 30, 3, 12, 22, 7][:concurrent])
+    max_tokens = [40, 25, 33, 18, 40, 29, 11, 37][:concurrent]
+    engine = SpecEngine(target, random_drafter(target, kind), FixedK(4), max_batch=8, max_len=256)
+    seqs = engine.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
+    for seq, m, p in zip(seqs, max_tokens, prompts):
+        assert seq.output == greedy_reference(target, [p], m)[0]
+    total = seqs[0].metrics
+    for s in seqs[1:]:
+        total = total.merge(s.metrics)
+    assert total.draft_tokens > 0  # speculation really happened
+
+
+def test_oracle_drafter_gives_tau_gamma_plus_one():
+    target = tiny_target()
+    prompts = prompts_of([6, 11, 4])
+    gamma, steps = 4, 5
+    max_tokens = 1 + steps * (gamma + 1)  # prefill token, then full blocks
+    refs = greedy_reference(target, prompts, max_tokens)
+    reference = {f"r{i}": p + r for i, (p, r) in enumerate(zip(prompts, refs))}
+    engine = SpecEngine(target, OracleDrafter(gamma, [1, 2], reference), FixedK(gamma), max_batch=4, max_len=256)
+    seqs = [engine.add(p, SamplingParams(max_tokens=max_tokens), req_id=f"r{i}") for i, p in enumerate(prompts)]
+    while engine.has_work():
+        engine.step()
+    for seq, ref in zip(seqs, refs):
+        assert seq.output == ref
+        m = seq.metrics
+        assert m.drafts == steps and m.draft_tokens == steps * gamma and m.accepted_tokens == steps * gamma
+        assert m.acceptance_length == gamma + 1
+        assert m.accepted_per_pos == [steps] * gamma
+        assert m.conditional_acceptance() == [1.0] * gamma
+
+
+class FlakyDrafter:
+    """Wraps a drafter and fails every other draft call, as a dropped network peer would."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft(self, *a, **k):
+        self.calls += 1
+        if self.calls % 2 == 0:
+            raise DrafterUnavailable("peer gone")
+        return self.inner.draft(*a, **k)
+
+
+def test_drafter_failures_fall_back_to_plain_decoding():
+    target = tiny_target()
+    prompts = prompts_of([8, 13])
+    drafter = FlakyDrafter(random_drafter(target, "dspark"))
+    engine = SpecEngine(target, drafter, FixedK(3), max_batch=4, max_len=256)
+    seqs = engine.generate(prompts, SamplingParams(max_tokens=30))
+    assert [s.output for s in seqs] == greedy_reference(target, prompts, 30)
+    assert drafter.calls > 4
+
+
+def test_per_request_cap_disables_speculation():
+    target = tiny_target()
+    engine = SpecEngine(target, random_drafter(target, "dflash"), FixedK(4), max_batch=4, max_len=256)
+    off = engine.add(prompts_of([9])[0], SamplingParams(max_tokens=20), max_draft=0)
+    capped = engine.add(prompts_of([7], seed=3)[0], SamplingParams(max_tokens=20), max_draft=2)
+    while engine.has_work():
+        engine.step()
+    assert off.metrics.draft_tokens == 0 and off.metrics.steps > 0
+    assert capped.metrics.draft_tokens > 0 and max(len(capped.metrics.verified_per_pos), 0) <= 2
+
+
+# ---- sampled outputs: same distribution as plain sampling -------------------------------------
+
+def _first_tokens(engine_factory, prompt, params, n_samples, n_tokens=3, max_tokens=5):
+    """Joint samples of the first n_tokens, one request per seed, batched many at a time.
+
+    max_tokens 5 = the prefill token + a full block of 3 drafts + the bonus, so tokens 2 and 3
+    come out of chained draft verification, not only from the corrected/bonus draw.
+    """
+    counts = {}
+    done = 0
+    while done < n_samples:
+        engine = engine_factory()
+        chunk = min(2000, n_samples - done)
+        seqs = [engine.add(prompt, SamplingParams(max_tokens=max_tokens, seed=done + i, **params)) for i in range(chunk)]
+        while engine.has_work():
+            engine.step()
+        for s in seqs:
+            key = tuple(s.output[:n_tokens])
+            counts[key] = counts.get(key, 0) + 1
+        done += chunk
+    return counts
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.6), dict(temperature=1.0, top_p=0.8)],
+                         ids=["t1", "t0.6", "t1-topp0.8"])
+def test_sampled_first_tokens_match_plain_sampling(params):
+    """Chi-square homogeneity test: speculative vs plain sampling, 20,000 samples each, tiny vocab."""
+    from scipy.stats import chi2_contingency
+
+    from dspark.engine.generate import Engine
+
+    vocab = 8
+    target = tiny_target(vocab=vocab, seed=5, layers=2)
+    drafter = random_drafter(target, "dspark", gamma=3, seed=6, support_size=4)
+    prompt = [1, 2, 3]
+    n = 20_000
+    plain = _first_tokens(lambda: Engine(target, max_batch=2000, max_len=16), prompt, params, n)
+    spec = _first_tokens(lambda: SpecEngine(target, drafter, FixedK(3), max_batch=2000, max_len=16),
+                         prompt, params, n)
+    keys = sorted(set(plain) | set(spec))
+    # pool rare outcomes so every expected count is large enough for chi-square
+    common = [k for k in keys if plain.get(k, 0) + spec.get(k, 0) >= 40]
+    table = [[plain.get(k, 0) for k in common] + [n - sum(plain.get(k, 0) for k in common)],
+             [spec.get(k, 0) for k in common] + [n - sum(spec.get(k, 0) for k in common)]]
+    _, p_value, _, _ = chi2_contingency(table)
+    assert len(common) >= 10  # a real joint distribution, not a few outcomes
+    assert p_value > 0.001, (p_value, table)

@@ -1,0 +1,144 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dspark.drafters.checkpoint import load_drafter
+from dspark.models.config import ModelConfig
+from dspark.models.transformer import Transformer
+from dspark.train.anchors import candidate_anchors, sample_anchors, slot_validity, ttt_validity
+from dspark.train.dataset import CachedDataset, OnlineDataset, build_tiny_dataset
+from dspark.train.trainer import TargetLSE, choose_draft_vocab, lr_factor, train
+
+CTX_LAYERS = [1, 2]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    return Transformer(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def data_dir(target, tmp_path_factory):
+    torch.set_num_threads(1)
+    return build_tiny_dataset(target, tmp_path_factory.mktemp("data"), CTX_LAYERS, num_sequences=6,
+                              prompt_len=5, response_len=20, temperature=0.5)
+
+
+def config(kind, steps, **train):
+    t = {"steps": steps, "lr": 3e-3, "warmup_steps": 2, "batch_sequences": 2, "max_block_tokens": 96,
+         "save_every": 1000}
+    t.update(train)
+    return {"drafter": {"kind": kind, "num_layers": 1, "gamma": 4, "markov_rank": 16, "draft_vocab_size": 48},
+            "train": t}
+
+
+# ---- anchors ----
+def test_slot_validity_stops_at_the_first_unsupervised_slot():
+    loss_mask = torch.tensor([0, 0, 1, 1, 0, 1, 1, 1], dtype=torch.bool)
+    valid = slot_validity(torch.tensor([1, 2, 4, 5, 6]), loss_mask, gamma=3)
+    assert valid.tolist() == [
+        [True, True, False],  # 2, 3 response; 4 is prompt -> slot 3 and later invalid
+        [True, False, False],  # 3 ok, 4 prompt
+        [True, True, True],  # 5, 6, 7
+        [True, True, False],  # 6, 7, then past the end of the sequence
+        [True, False, False],  # 7, then past the end
+    ]
+
+
+def test_candidate_and_sampled_anchors_have_a_supervised_first_slot():
+    loss_mask = torch.tensor([0, 0, 1, 1, 0, 1, 1, 1], dtype=torch.bool)
+    assert candidate_anchors(loss_mask).tolist() == [1, 2, 4, 5, 6]
+    gen = torch.Generator().manual_seed(0)
+    picked = sample_anchors(loss_mask, 3, gen)
+    assert picked.numel() == 3 and len(set(picked.tolist())) == 3
+    assert set(picked.tolist()) <= {1, 2, 4, 5, 6}
+    assert sample_anchors(loss_mask, 100, gen).tolist() == [1, 2, 4, 5, 6]
+
+
+def test_ttt_validity():
+    loss_mask = torch.tensor([0, 0, 1, 1, 1], dtype=torch.bool)
+    valid = ttt_validity(loss_mask, num_steps=2)  # rows p = 0..3 predict tokens p+2
+    assert valid.tolist() == [[True, True, True, False], [False, True, True, False]]
+
+
+def test_lr_schedule_warms_up_then_decays():
+    t = {"warmup_steps": 4, "steps": 20, "min_lr_ratio": 0.1}
+    factors = [lr_factor(s, t) for s in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(factors[4:], factors[5:]))
+    assert factors[-1] >= 0.1 and lr_factor(100, t) == pytest.approx(0.1)
+
+
+def test_draft_vocab_keeps_the_most_frequent_tokens():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7])
+    assert choose_draft_vocab(counts, 3).tolist() == [2, 3, 5]
+
+
+# ---- data ----
+def test_cached_dataset_matches_online_features(target, data_dir):
+    cached = CachedDataset(data_dir)
+    meta = json.loads((data_dir / "meta.json").read_text())
+    assert meta["ctx_layers"] == CTX_LAYERS and meta["num_sequences"] == 6 == len(cached)
+    online = OnlineDataset(target, [(cached[i].tokens, cached[i].loss_mask) for i in range(len(cached))], CTX_LAYERS)
+    for i in (0, 5):
+        a, b = cached[i], online[i]
+        assert a.tokens.shape == (25,) and a.loss_mask.sum() == 20
+        assert a.features.shape == (25, 2 * 32) and a.final_hidden.shape == (25, 32)
+        torch.testing.assert_close(a.features, b.features, atol=0.05, rtol=0.01)  # bf16 on disk
+        torch.testing.assert_close(a.final_hidden, b.final_hidden, atol=0.05, rtol=0.01)
+    assert cached.token_counts(64).sum() == 6 * 25
+
+
+def test_target_lse_on_demand_matches_full_logsumexp(target, data_dir):
+    seq = CachedDataset(data_dir)[0]
+    lm_head = target.lm_head.weight.detach()
+    full = torch.logsumexp(seq.final_hidden @ lm_head.T, -1)
+    lse = TargetLSE(lm_head, chunk=4)
+    positions = torch.tensor([7, 3, 12])
+    torch.testing.assert_close(lse(0, seq, positions), full[positions])
+    torch.testing.assert_close(lse(0, seq, torch.arange(25)), full)
+
+
+# ---- trainer ----
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_resume_equals_uninterrupted_run(target, data_dir, tmp_path, kind):
+    cfg = config(kind, steps=6)
+    train(cfg, data_dir, tmp_path / "straight", target=target, show_progress=False)
+    train(cfg, data_dir, tmp_path / "resumed", target=target, show_progress=False, stop_after=3)
+    assert (tmp_path / "resumed" / "checkpoints" / "step_0000003").is_dir()
+    train(cfg, data_dir, tmp_path / "resumed", target=target, show_progress=False)
+    a = load_file(str(tmp_path / "straight" / "checkpoints" / "step_0000006" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "checkpoints" / "step_0000006" / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
+    log_a = [json.loads(line) for line in (tmp_path / "straight" / "log.jsonl").read_text().splitlines()]
+    log_b = [json.loads(line) for line in (tmp_path / "resumed" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log_b] == list(range(1, 7))
+    assert [r["loss"] for r in log_a] == pytest.approx([r["loss"] for r in log_b], abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_training_reduces_the_loss(target, data_dir, tmp_path, kind):
+    summary = train(config(kind, steps=40), data_dir, tmp_path, target=target, show_progress=False)
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    first = sum(r["loss"] for r in records[:5]) / 5
+    last = sum(r["loss"] for r in records[-5:]) / 5
+    assert last < 0.9 * first
+    if kind == "dspark":  # trained on the distance itself: the acceptance proxy must rise too
+        assert sum(r["accept_len"] for r in records[-5:]) > sum(r["accept_len"] for r in records[:5])
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    drafter = load_drafter(summary["drafter_dir"], target.model.embed_tokens.weight, target.lm_head.weight)
+    assert drafter.kind == kind and drafter.cfg.draft_vocab == 48 and drafter.ctx_layers == CTX_LAYERS
