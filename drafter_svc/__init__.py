@@ -1,0 +1,1 @@
+"""Drafter service: one drafter checkpoint served to many verifiers over DraftStream."""

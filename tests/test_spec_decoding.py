@@ -1,6 +1,7 @@
 """Speculative decoding keeps the target's output exactly (greedy identical, sampling in distribution)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -138,3 +139,21 @@ def test_sampled_first_tokens_match_plain_sampling(params):
     _, p_value, _, _ = chi2_contingency(table)
     assert len(common) >= 10  # a real joint distribution, not a few outcomes
     assert p_value > 0.001, (p_value, table)
+
+
+def test_confidence_policy_is_lossless_and_adapts_capacity():
+    from dspark.spec.confidence_policy import ConfidencePolicy
+
+    target = tiny_target()
+    prompts = prompts_of([5, 17, 9, 30, 3, 12])
+    cheap = ConfidencePolicy(lambda b: 1.0 / (1.0 + 0.001 * np.asarray(b)), static_k=2, explore=0.1)
+    engine = SpecEngine(target, random_drafter(target, "dspark"), cheap, max_batch=8, max_len=256)
+    seqs = engine.generate(prompts, SamplingParams(max_tokens=30))
+    assert [s.output for s in seqs] == greedy_reference(target, prompts, 30)
+    assert cheap.last_k is not None and len(cheap.history) == 2
+    # A target whose cost explodes with batch tokens: the rule verifies nothing.
+    steep = ConfidencePolicy(lambda b: 1.0 / np.asarray(b, dtype=float) ** 4, static_k=2)
+    engine = SpecEngine(target, random_drafter(target, "dspark"), steep, max_batch=8, max_len=256)
+    seqs = engine.generate(prompts, SamplingParams(max_tokens=30))
+    assert [s.output for s in seqs] == greedy_reference(target, prompts, 30)
+    assert steep.last_k == 0

@@ -132,13 +132,18 @@ def test_resume_equals_uninterrupted_run(target, data_dir, tmp_path, kind):
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
 def test_training_reduces_the_loss(target, data_dir, tmp_path, kind):
-    summary = train(config(kind, steps=40), data_dir, tmp_path, target=target, show_progress=False)
+    summary = train(config(kind, steps=40, lr=1e-2), data_dir, tmp_path, target=target, show_progress=False)
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    first = sum(r["loss"] for r in records[:5]) / 5
-    last = sum(r["loss"] for r in records[-5:]) / 5
-    assert last < 0.9 * first
-    if kind == "dspark":  # trained on the distance itself: the acceptance proxy must rise too
-        assert sum(r["accept_len"] for r in records[-5:]) > sum(r["accept_len"] for r in records[:5])
+
+    def mean(key, part):
+        return sum(r[key] for r in part) / len(part)
+
+    if kind == "dflash":  # cross-entropy only
+        assert mean("loss", records[-5:]) < 0.8 * mean("loss", records[:5])
+    else:  # the confidence BCE has an entropy floor: check the distance and the acceptance proxy too
+        assert mean("loss", records[-5:]) < 0.95 * mean("loss", records[:5])
+        assert mean("tv", records[-5:]) < 0.92 * mean("tv", records[:5])
+        assert mean("accept_len", records[-5:]) > mean("accept_len", records[:5]) + 0.1
     assert (tmp_path / "loss.png").stat().st_size > 1000
     drafter = load_drafter(summary["drafter_dir"], target.model.embed_tokens.weight, target.lm_head.weight)
     assert drafter.kind == kind and drafter.cfg.draft_vocab == 48 and drafter.ctx_layers == CTX_LAYERS

@@ -1,0 +1,1 @@
+"""Verifier service: the target model, its KV cache and running batch, SpecEngine over a remote drafter."""

@@ -93,9 +93,8 @@ class ParallelDrafter(Drafter):
 
     @torch.no_grad()
     def draft(self, req_ids, anchors, temperatures, generators, forced_tokens=None, return_logits=False):
-        cfg = self.cfg
-        anchors = anchors.long().to(self.lm_head_draft.device)
-        device = self.lm_head_draft.device
+        cfg, device = self.cfg, self.lm_head_draft.device
+        anchors = anchors.long().to(device)
         like = torch.empty(0, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, device=device)
         kv, valid = self.contexts.padded(req_ids, like)  # [R, L, layers, 2, KV, hd]
         ctx_kv = [(kv[:, :, i, 0].transpose(1, 2), kv[:, :, i, 1].transpose(1, 2)) for i in range(cfg.num_layers)]
@@ -110,9 +109,9 @@ class ParallelDrafter(Drafter):
         prev = anchors
         tokens, confs, ids, probs, all_logits = [], [], [], [], []
         for k in range(self.gamma):
-            logits = base[:, k]
-            prev_emb = self.head.W1(prev) if self.head is not None else None
+            logits, prev_emb = base[:, k], None
             if self.head is not None:
+                prev_emb = self.head.W1(prev)
                 bias, state = self.head.step(hidden[:, k], prev_emb, state)
                 logits = logits + bias
             if self.confidence_head is not None:

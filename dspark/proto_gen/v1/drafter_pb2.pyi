@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("request_id", "hidden", "tokens", "anchor_token", "context_len", "temperature", "release")
+    __slots__ = ("request_id", "hidden", "tokens", "anchor_token", "context_len", "temperature", "release", "seed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class SequenceUpdate(_message.Message):
     CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     hidden: _tensor_pb2.Tensor
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -23,7 +24,8 @@ class SequenceUpdate(_message.Message):
     context_len: int
     temperature: float
     release: bool
-    def __init__(self, request_id: _Optional[str] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., anchor_token: _Optional[int] = ..., context_len: _Optional[int] = ..., temperature: _Optional[float] = ..., release: _Optional[bool] = ...) -> None: ...
+    seed: int
+    def __init__(self, request_id: _Optional[str] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., anchor_token: _Optional[int] = ..., context_len: _Optional[int] = ..., temperature: _Optional[float] = ..., release: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("step", "sequences")

@@ -16,7 +16,7 @@ class SpsPoint(_message.Message):
     def __init__(self, batch_tokens: _Optional[int] = ..., steps_per_sec: _Optional[float] = ...) -> None: ...
 
 class VerifierLoad(_message.Message):
-    __slots__ = ("verifier_id", "running", "queued", "kv_use", "sps", "capacity", "calibration_version")
+    __slots__ = ("verifier_id", "running", "queued", "kv_use", "sps", "capacity", "calibration_version", "max_batch", "max_context_tokens", "model")
     VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,9 @@ class VerifierLoad(_message.Message):
     SPS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     verifier_id: str
     running: int
     queued: int
@@ -31,7 +34,10 @@ class VerifierLoad(_message.Message):
     sps: _containers.RepeatedCompositeFieldContainer[SpsPoint]
     capacity: int
     calibration_version: int
-    def __init__(self, verifier_id: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_use: _Optional[float] = ..., sps: _Optional[_Iterable[_Union[SpsPoint, _Mapping]]] = ..., capacity: _Optional[int] = ..., calibration_version: _Optional[int] = ...) -> None: ...
+    max_batch: int
+    max_context_tokens: int
+    model: str
+    def __init__(self, verifier_id: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_use: _Optional[float] = ..., sps: _Optional[_Iterable[_Union[SpsPoint, _Mapping]]] = ..., capacity: _Optional[int] = ..., calibration_version: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class Calibration(_message.Message):
     __slots__ = ("drafter_version", "version", "temperatures")

@@ -1,0 +1,133 @@
+"""Target engine speed on this machine: plain decoding vs transformers vs llama.cpp, and the
+verification-cost curve (one pass with n new tokens on a 512-token context).
+
+    python benchmarks/engine_speed.py [--tokens 64] [--skip-llamacpp]
+
+Prints two tables and writes benchmarks/results/engine_speed.png. All contenders run in this
+one process, one after another, on the same prompts, so their ratios are comparable.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.engine.batch import VarlenBatch
+from dspark.engine.generate import Engine
+from dspark.models.loader import default_gguf_path, load_model
+from dspark.sampling import SamplingParams
+
+OUT = Path(__file__).resolve().parent / "results"
+QUESTIONS = ["Explain how a hash map works.", "Write a short poem about autumn.", "What causes rain?",
+             "Give three tips for learning a language.", "Describe the water cycle.", "What is recursion?",
+             "Summarise the plot of a heist movie.", "How do vaccines work?"]
+
+
+def ours(loaded, prompts, new_tokens):
+    engine = Engine(loaded.model, max_batch=len(prompts), max_len=1024, eos_ids=())
+    start = time.perf_counter()
+    seqs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens))
+    return sum(len(s.output) for s in seqs) / (time.perf_counter() - start)
+
+
+def transformers_generate(hf, prompts, new_tokens):
+    # left-padded batch, greedy, no early stop: the same work as ours
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, pad_token_id=0)
+    return (out.shape[1] - width) * len(prompts) / (time.perf_counter() - start)
+
+
+def llamacpp(prompts, new_tokens):
+    """llama.cpp on the same GGUF (batch 1 only: llama-cpp-python serves one sequence per call)."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(default_gguf_path()), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
+    start, total = time.perf_counter(), 0
+    for p in prompts:
+        out = llm(llm.detokenize(p).decode("utf-8", "ignore"), max_tokens=new_tokens, temperature=0.0)
+        total += out["usage"]["completion_tokens"]
+    return total / (time.perf_counter() - start)
+
+
+def verification_curve(model, context=512, sizes=(1, 2, 4, 8, 16, 32), repeats=5):
+    cache = model.new_cache(1, context + 64)
+    slot = cache.allocate()
+    model(VarlenBatch.build([list(range(10, 10 + context))], [0], [slot]), cache)
+    rows = []
+    for n in sizes:
+        times = []
+        for _ in range(repeats):
+            cache.rollback(slot, context)
+            start = time.perf_counter()
+            model(VarlenBatch.build([[7] * n], [context], [slot]), cache, logits_rows="all")
+            times.append(time.perf_counter() - start)
+        rows.append((n, statistics.median(times)))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--skip-llamacpp", action="store_true")
+    args = ap.parse_args()
+    loaded = load_model()
+    tok = loaded.tokenizer
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    from transformers import AutoModelForCausalLM
+
+    path = default_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+    results = {}
+    for batch in (1, 8):
+        group = prompts[:batch]
+        results[("dspark engine", batch)] = ours(loaded, group, args.tokens)
+        results[("transformers", batch)] = transformers_generate(hf, group, args.tokens)
+    if not args.skip_llamacpp:
+        try:
+            results[("llama.cpp (Q4_1)", 1)] = llamacpp(prompts[:1], args.tokens)
+        except ImportError:
+            print("llama-cpp-python not installed: pip install llama-cpp-python (builds from source, ~10 min)")
+    print(f"\nAutoregressive decoding, SmolLM2-135M, {args.tokens} new tokens, {torch.get_num_threads()} threads")
+    print(f"{'engine':<20}{'batch':>6}{'tokens/s':>10}")
+    for (name, batch), tps in results.items():
+        print(f"{name:<20}{batch:>6}{tps:>10.1f}")
+
+    curve = verification_curve(loaded.model)
+    print("\nVerification cost: one target pass with n new tokens on a 512-token context")
+    print(f"{'n':>4}{'ms':>9}{'x (n=1)':>9}")
+    for n, sec in curve:
+        print(f"{n:>4}{sec * 1e3:>9.1f}{sec / curve[0][1]:>9.2f}")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [f"{n}\nbatch {bt}" for n, bt in results]
+    a.bar(names, list(results.values()), color="tab:blue")
+    a.set_ylabel("tokens/s")
+    a.set_title("Plain decoding, SmolLM2-135M (CPU)")
+    a.tick_params(axis="x", labelsize=7)
+    b.plot([n for n, _ in curve], [s * 1e3 for _, s in curve], marker="o")
+    b.set_xscale("log", base=2)
+    b.set_xlabel("new tokens in the pass (512-token context)")
+    b.set_ylabel("ms per pass")
+    b.set_title("Verification cost curve")
+    fig.tight_layout()
+    OUT.mkdir(exist_ok=True)
+    fig.savefig(OUT / "engine_speed.png", dpi=120)
+    print(f"\nplot: {OUT / 'engine_speed.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""python -m drafter_svc --port=50053 --health-port=50060 --metrics-port=9400 --kind=dspark --checkpoint=DIR
+
+Without --checkpoint (or with an empty one) a randomly initialised drafter of --kind is served,
+so the pipeline runs before any drafter is trained (tests, local mode).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import torch
+
+from dspark.drafters import DrafterConfig, build_drafter
+from dspark.drafters.checkpoint import load_config, load_drafter
+from dspark.models.config import spread_layers
+from dspark.models.loader import DEFAULT_MODEL, load_model
+from dspark.proto_gen.v1 import drafter_pb2_grpc
+from dspark.serving.config import common_parser, env
+from dspark.serving.server import GrpcApp, setup_logging
+from drafter_svc.service import DrafterService
+
+log = logging.getLogger("drafter_svc")
+
+
+def parse_args(argv=None):
+    ap = common_parser(__doc__, port=50053)
+    ap.add_argument("--kind", default=env("DSPARK_DRAFTER_KIND", "dspark"), choices=["dspark", "dflash", "eagle3"])
+    ap.add_argument("--checkpoint", default=env("DSPARK_DRAFTER_CHECKPOINT", ""),
+                    help="drafter checkpoint directory; empty = a random drafter of --kind")
+    ap.add_argument("--target-model", default=env("DSPARK_TARGET_MODEL", ""),
+                    help="target whose embedding and LM head the drafter shares "
+                         "(default: the checkpoint's target, else DSPARK_MODEL, else smollm2-135m)")
+    ap.add_argument("--gamma", type=int, default=7, help="block size of a random drafter")
+    ap.add_argument("--num-layers", type=int, default=2, help="decoder layers of a random drafter")
+    ap.add_argument("--seed", type=int, default=0, help="initialisation seed of a random drafter")
+    ap.set_defaults(max_message_mb=float(env("DSPARK_MAX_MESSAGE_MB", 256)))  # hidden-state batches are big
+    return ap.parse_args(argv)
+
+
+def load(args):
+    """The drafter plus the name of its target; only the target's embedding and LM head are kept."""
+    checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    if checkpoint is not None and not (checkpoint / "config.json").exists():
+        log.warning("no drafter checkpoint at %s: serving a random %s drafter", checkpoint, args.kind)
+        checkpoint = None
+    cfg = load_config(checkpoint) if checkpoint else None
+    target_name = args.target_model or (cfg.target if cfg and cfg.target else "") or env("DSPARK_MODEL", DEFAULT_MODEL)
+    loaded = load_model(target_name)
+    embed = loaded.model.model.embed_tokens.weight.detach().clone()
+    lm_head = loaded.model.lm_head.weight.detach().clone()
+    target_cfg, name = loaded.model.config, loaded.name
+    del loaded  # the rest of the target is not needed here
+    if checkpoint:
+        drafter = load_drafter(checkpoint, embed, lm_head)
+    else:
+        torch.manual_seed(args.seed)
+        cfg = DrafterConfig.for_target(target_cfg, args.kind, ctx_layers=spread_layers(target_cfg.num_layers, 5),
+                                       gamma=args.gamma, num_layers=args.num_layers, target=name,
+                                       version=f"random-{args.kind}-{args.seed}")
+        drafter = build_drafter(cfg, embed, lm_head).eval()
+    return drafter, name
+
+
+async def serve(args) -> None:
+    service = DrafterService()
+    app = GrpcApp("drafter", args, [(drafter_pb2_grpc.add_DrafterServicer_to_server, service, "dspark.v1.Drafter")])
+    await app.start()
+    service.drafter, service.target_model = await asyncio.to_thread(load, args)
+    log.info("drafter %s (version %s, gamma %d, layers %s) for %s", service.drafter.kind, service.drafter.version,
+             service.drafter.gamma, service.drafter.ctx_layers, service.target_model)
+    await app.set_serving()
+    await app.wait_for_termination()
+    service.executor.shutdown(wait=False)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    torch.set_grad_enabled(False)
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The Drafter gRPC service: one long-lived DraftStream per verifier, one drafter for all of them."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from dspark.proto_gen.v1 import drafter_pb2, drafter_pb2_grpc
+from dspark.serving import metrics
+from dspark.wire import WireError
+from drafter_svc.contexts import answer
+
+log = logging.getLogger(__name__)
+
+
+class DrafterService(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self):
+        self.drafter = None  # set once loaded; until then calls answer UNAVAILABLE
+        self.target_model = ""
+        # One worker: the drafter module and its context cache are not thread-safe, and one
+        # CPU/GPU stream serves the batched draft calls of all verifiers in turn anyway.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="drafter")
+        self._streams = itertools.count(1)
+
+    @property
+    def width(self) -> int:
+        return len(self.drafter.ctx_layers) * self.drafter.cfg.hidden_size
+
+    async def DrafterInfo(self, request, context):
+        if self.drafter is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is still loading")
+        d = self.drafter
+        return drafter_pb2.DrafterInfoResponse(
+            kind=d.kind, version=d.version, gamma=d.gamma, target_layers=d.ctx_layers,
+            hidden_size=d.cfg.hidden_size, target_model=self.target_model, has_confidence=d.has_confidence)
+
+    async def DraftStream(self, request_iterator, context):
+        if self.drafter is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is still loading")
+        loop = asyncio.get_running_loop()
+        stream, keys = next(self._streams), set()
+        try:
+            async for request in request_iterator:
+                try:
+                    response = await loop.run_in_executor(self.executor, answer, self.drafter, stream, keys,
+                                                          request, self.width)
+                except WireError as error:
+                    # Only this stream ends; its verifier reconnects and resends from scratch.
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                metrics.DRAFT_REQUESTS.inc()
+                metrics.DRAFTER_CONTEXTS.set(len(self.drafter.contexts._len))
+                yield response
+        finally:
+            # The verifier is gone (or reconnecting): every context it had here is garbage now.
+            await loop.run_in_executor(self.executor, self._release_all, keys)
+
+    def _release_all(self, keys: set[str]) -> None:
+        for key in list(keys):
+            self.drafter.release(key)
+        keys.clear()

@@ -1,0 +1,38 @@
+"""Prometheus metrics of the services, named as docs/deploy.md ("What to watch") lists them."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+# Verifier.
+GENERATED_TOKENS = Counter("dspark_generated_tokens", "Tokens generated and streamed")
+NUM_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Verified draft blocks (steps of a request with drafts)")
+NUM_DRAFT_TOKENS = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified")
+NUM_ACCEPTED = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+ACCEPTED_PER_POS = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position",
+                           ["position"])
+STEP_LATENCY = Histogram("dspark_step_latency_seconds", "Verifier step latency", ["batch_tokens_bucket"],
+                         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+REQUEST_LATENCY = Histogram("dspark_request_latency_seconds", "Request latency, first byte in to last chunk out",
+                            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250))
+CAPACITY_K = Gauge("dspark_capacity_k", "Draft tokens per request per step in force")
+DRAFTER_LINK_BYTES = Counter("dspark_drafter_link_bytes", "Bytes on the verifier-drafter link", ["direction"])
+DRAFTER_LINK_BYTES_PER_STEP = Histogram("dspark_drafter_link_bytes_per_step", "Bytes per step on the drafter link",
+                                        buckets=(1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8))
+DRAFTER_UNAVAILABLE = Counter("dspark_drafter_unavailable", "Steps run as plain decoding: drafter failed")
+# Drafter.
+DRAFT_REQUESTS = Counter("dspark_drafter_requests", "DraftRequests answered")
+DRAFTER_CONTEXTS = Gauge("dspark_drafter_contexts", "Request contexts held by the drafter")
+# Scheduler.
+QUEUE_DEPTH = Gauge("dspark_queue_depth", "Requests waiting for a verifier with room")
+RESUMED = Counter("dspark_resumed_requests", "Requests resumed on another verifier after losing theirs")
+
+
+def batch_tokens_bucket(tokens: int) -> str:
+    for low, high in ((1, 64), (65, 256), (257, 1024), (1025, 4096)):
+        if tokens <= high:
+            return f"{low}-{high}"
+    return "4097+"
+
+
+def start_metrics_server(port: int) -> None:
+    start_http_server(port)

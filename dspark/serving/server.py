@@ -1,0 +1,103 @@
+"""One grpc.aio server with health, reflection, size limits, TLS and graceful SIGTERM shutdown.
+
+    app = GrpcApp("drafter", args, [(add_DrafterServicer_to_server, servicer, "dspark.v1.Drafter")])
+    await app.start()          # health says NOT_SERVING until ...
+    ... load the model ...
+    await app.set_serving()    # ... the model is loaded
+    await app.wait_for_termination()   # SIGTERM/SIGINT: stop accepting, drain, exit
+
+The health service runs on the main port and, plaintext, alone on --health-port (the kubelet's
+native gRPC probe cannot speak TLS).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from dspark.serving import config
+from dspark.serving.metrics import start_metrics_server
+
+log = logging.getLogger(__name__)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, str(level).upper(), logging.INFO),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+class GrpcApp:
+    def __init__(self, name: str, args, services: list[tuple]):
+        """services: (add_XServicer_to_server, servicer, full service name) triples."""
+        self.name, self.args, self.services = name, args, services
+        self.health = [HealthServicer()]
+        self.server: grpc.aio.Server | None = None
+        self.health_server: grpc.aio.Server | None = None
+        self.stopping = asyncio.Event()
+        self.on_shutdown = []  # async callables run after the drain (close channels, stores)
+
+    async def start(self) -> None:
+        options = config.message_options(self.args.max_message_mb)
+        self.server = grpc.aio.server(options=options)
+        names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+        for add, servicer, full_name in self.services:
+            add(servicer, self.server)
+            names.append(full_name)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health[0], self.server)
+        reflection.enable_server_reflection(names, self.server)
+        address = f"{self.args.host}:{self.args.port}"
+        creds = config.server_credentials()
+        if creds is None:
+            bound = self.server.add_insecure_port(address)
+        else:
+            bound = self.server.add_secure_port(address, creds)
+        if not bound:
+            raise SystemExit(f"{self.name}: cannot bind {address}")
+        if self.args.health_port:
+            self.health_server = grpc.aio.server()
+            self.health.append(HealthServicer())
+            health_pb2_grpc.add_HealthServicer_to_server(self.health[1], self.health_server)
+            self.health_server.add_insecure_port(f"{self.args.host}:{self.args.health_port}")
+            await self.health_server.start()
+        await self._set_status(NOT_SERVING)
+        await self.server.start()
+        if self.args.metrics_port:
+            start_metrics_server(self.args.metrics_port)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        log.info("%s listening on %s (health port %s, metrics port %s)", self.name, address,
+                 self.args.health_port or "-", self.args.metrics_port or "-")
+
+    async def _set_status(self, status) -> None:
+        for servicer in self.health:
+            await servicer.set("", status)
+
+    async def set_serving(self) -> None:
+        await self._set_status(SERVING)
+        log.info("%s ready", self.name)
+
+    async def wait_for_termination(self) -> None:
+        await self.stopping.wait()
+        log.info("%s shutting down: draining for up to %.0f s", self.name, self.args.grace_s)
+        await self._set_status(NOT_SERVING)  # readiness fails first, so no new traffic is routed here
+        await self.server.stop(self.args.grace_s)  # refuses new calls, lets in-flight ones finish
+        for close in self.on_shutdown:
+            try:
+                await close()
+            except Exception:  # shutting down anyway
+                log.exception("shutdown hook failed")
+        if self.health_server is not None:
+            await self.health_server.stop(0)
+        log.info("%s stopped", self.name)
+
+
+async def abort_not_ready(context, what: str = "model") -> None:
+    await context.abort(grpc.StatusCode.UNAVAILABLE, f"{what} is still loading")

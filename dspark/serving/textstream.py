@@ -1,0 +1,47 @@
+"""Token ids -> streamed text deltas, with stop strings.
+
+The whole output is decoded each time (tokenizers merge bytes across tokens), and only what is
+certain is sent: an incomplete UTF-8 character at the end ("\ufffd") waits for its next bytes,
+and a tail that could be the start of a stop string waits until it is clearly not one.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+
+class TextStream:
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str] = (),
+                 prefix_tokens: list[int] = (), prefix_text: str = ""):
+        """prefix_*: output a previous verifier already streamed (a resumed request)."""
+        self.decode, self.stop = decode, [s for s in stop if s]
+        self.tokens = list(prefix_tokens)
+        text = decode(self.tokens) if self.tokens else ""
+        self.sent = len(prefix_text) if text.startswith(prefix_text) else len(text)
+
+    def push(self, tokens: list[int], final: bool = False) -> tuple[str, bool]:
+        """Add decided tokens; returns (text to send now, whether a stop string was hit)."""
+        self.tokens.extend(tokens)
+        text = self.decode(self.tokens)
+        hits = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]
+        if hits:
+            delta = text[self.sent:min(hits)]
+            self.sent = min(hits)
+            return delta, True
+        end = len(text)
+        if not final:
+            while end > self.sent and text[end - 1] == "\ufffd":
+                end -= 1
+            end -= self._stop_prefix(text[self.sent:end])
+        delta = text[self.sent:end]
+        self.sent = end
+        return delta, False
+
+    def _stop_prefix(self, tail: str) -> int:
+        """Length of the longest suffix of `tail` that begins some stop string."""
+        best = 0
+        for stop in self.stop:
+            for n in range(min(len(stop) - 1, len(tail)), best, -1):
+                if stop.startswith(tail[len(tail) - n:]):
+                    best = n
+                    break
+        return best

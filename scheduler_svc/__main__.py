@@ -1,0 +1,95 @@
+"""python -m scheduler_svc --port=50051 --health-port=50060 --metrics-port=9400 --redis-url=redis://HOST:6379/0
+       [--verifiers=host:port,...] | [--discovery=kubernetes --namespace=NS --verifier-selector=LABELS] --verifier-port=50052
+
+Without --redis-url the state lives in this process (MemoryStore: local mode, tests).
+Verifiers are used once they register and heartbeat; discovery (a static list or Kubernetes
+pods) further limits routing to the addresses it reports.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from dspark.k8s_discovery import make_discovery
+from dspark.proto_gen.v1 import generation_pb2_grpc, scheduler_pb2_grpc
+from dspark.serving.config import common_parser, env
+from dspark.serving.server import GrpcApp, setup_logging
+from scheduler_svc.registry import Registry
+from scheduler_svc.service import GenerationService, Router, SchedulerService
+from scheduler_svc.store import make_store
+
+log = logging.getLogger("scheduler_svc")
+
+
+def parse_args(argv=None):
+    ap = common_parser(__doc__, port=50051)
+    ap.add_argument("--redis-url", default=env("DSPARK_REDIS_URL", ""), help="empty = in-process store")
+    ap.add_argument("--verifiers", default=env("DSPARK_VERIFIERS", ""), help="static list host:port,host:port")
+    ap.add_argument("--discovery", default=env("DSPARK_DISCOVERY", "static"), choices=["static", "kubernetes"])
+    ap.add_argument("--namespace", default=env("POD_NAMESPACE", "default"))
+    ap.add_argument("--verifier-selector", default=env("DSPARK_VERIFIER_SELECTOR", ""), help="pod label selector")
+    ap.add_argument("--verifier-service", default=env("DSPARK_VERIFIER_SERVICE", ""),
+                    help="read this Service's EndpointSlices instead of pods")
+    ap.add_argument("--verifier-port", type=int, default=int(env("DSPARK_VERIFIER_PORT", 50052)))
+    ap.add_argument("--heartbeat-ttl-s", type=float, default=3.0, help="a verifier silent this long is not routed to")
+    ap.add_argument("--queue-timeout-s", type=float, default=60.0,
+                    help="how long a request waits for a verifier with room before UNAVAILABLE")
+    return ap.parse_args(argv)
+
+
+def start_discovery(args, registry: Registry, stop: threading.Event) -> None:
+    addresses = [a.strip() for a in args.verifiers.split(",") if a.strip()]
+    if args.discovery == "static" and not addresses:
+        return  # route to whichever verifiers register
+    discovery = make_discovery(args.discovery, addresses=addresses, namespace=args.namespace,
+                               label_selector=args.verifier_selector or None,
+                               service=args.verifier_service or None, port=args.verifier_port)
+    loop = asyncio.get_running_loop()
+
+    def on_change(found: list[str]) -> None:
+        loop.call_soon_threadsafe(setattr, registry, "discovered", list(found))
+        log.info("discovered verifiers: %s", found)
+
+    threading.Thread(target=discovery.watch, args=(on_change, stop), daemon=True, name="discovery").start()
+
+
+async def refresh_loop(registry: Registry, interval_s: float = 0.5) -> None:
+    while True:
+        await registry.refresh()
+        await asyncio.sleep(interval_s)
+
+
+async def serve(args) -> None:
+    store = make_store(args.redis_url)
+    registry = Registry(store, ttl_s=args.heartbeat_ttl_s)
+    router = Router(registry, args.max_message_mb, args.queue_timeout_s)
+    app = GrpcApp("scheduler", args, [
+        (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(router), "dspark.v1.Generation"),
+        (scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerService(registry), "dspark.v1.Scheduler"),
+    ])
+    await app.start()
+    stop = threading.Event()
+    start_discovery(args, registry, stop)
+    refresher = asyncio.get_running_loop().create_task(refresh_loop(registry))
+
+    async def close() -> None:
+        stop.set()
+        refresher.cancel()
+        await router.close()
+        await store.close()
+
+    app.on_shutdown.append(close)
+    log.info("scheduler using %s", f"Redis at {args.redis_url}" if args.redis_url else "the in-process store")
+    await app.set_serving()  # nothing to load; requests wait in the queue until a verifier registers
+    await app.wait_for_termination()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Public Generation (proxy with resume) and the verifiers' Scheduler API.
+
+A request goes to the least loaded live verifier with room, waiting in the pending queue when
+all are full. Its chunks are relayed as they come; if the verifier is lost mid-stream the
+request continues on another one with ResumeInfo (the tokens and text already streamed), so the
+client sees no token twice and none missing.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import grpc
+
+from dspark.proto_gen.v1 import (generation_pb2 as pb, generation_pb2_grpc, load_pb2, scheduler_pb2_grpc,
+                                 verifier_pb2, verifier_pb2_grpc)
+from dspark.serving import metrics
+from dspark.serving.config import aio_channel
+from dspark.serving.requests import RequestError, check_request
+from scheduler_svc.registry import Registry
+
+log = logging.getLogger(__name__)
+
+# Codes that mean "the verifier went away", not "the request is bad": resume elsewhere.
+LOST = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED}
+
+
+class VerifierLost(Exception):
+    pass
+
+
+class Router:
+    """Channels to verifiers and the wait for one with room."""
+
+    def __init__(self, registry: Registry, max_message_mb: float, queue_timeout_s: float):
+        self.registry, self.max_message_mb, self.queue_timeout_s = registry, max_message_mb, queue_timeout_s
+        self._stubs: dict[str, verifier_pb2_grpc.VerifierStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+        self.waiting = 0
+
+    def stub(self, address: str) -> verifier_pb2_grpc.VerifierStub:
+        if address not in self._stubs:
+            channel = aio_channel(address, self.max_message_mb)
+            self._channels.append(channel)
+            self._stubs[address] = verifier_pb2_grpc.VerifierStub(channel)
+        return self._stubs[address]
+
+    async def acquire(self, request_id: str) -> str | None:
+        """A verifier address, counted in flight; None when none had room within the queue timeout."""
+        deadline = time.monotonic() + self.queue_timeout_s
+        queued = False
+        try:
+            while True:
+                address = self.registry.choose()
+                if address is not None:
+                    self.registry.inflight[address] += 1
+                    return address
+                if not queued:
+                    queued = True
+                    self.waiting += 1
+                    metrics.QUEUE_DEPTH.set(self.waiting)
+                    self.registry.background(self.registry.store.push_pending(request_id))
+                if time.monotonic() >= deadline:
+                    return None
+                await asyncio.sleep(0.05)
+        finally:
+            if queued:
+                self.waiting -= 1
+                metrics.QUEUE_DEPTH.set(self.waiting)
+                self.registry.background(self.registry.store.remove_pending(request_id))
+
+    def release(self, address: str) -> None:
+        self.registry.inflight[address] -= 1
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, router: Router, max_resumes: int = 8):
+        self.router, self.registry, self.max_resumes = router, router.registry, max_resumes
+
+    async def Generate(self, request, context):
+        models = self.registry.models()
+        try:
+            check_request(request, (models | {"default"}) if models else None)
+        except RequestError as error:
+            await context.abort(error.code, error.message)
+        request = pb.GenerateRequest.FromString(request.SerializeToString())
+        request.request_id = request.request_id or uuid.uuid4().hex
+        streamed: list[int] = []
+        text: list[str] = []
+        lost = 0
+        while True:
+            address = await self.router.acquire(request.request_id)
+            if address is None:
+                if streamed:  # the client has part of the answer: end it cleanly, do not break the stream
+                    yield pb.GenerateChunk(request_id=request.request_id, offset=len(streamed),
+                                           finish_reason=pb.FINISH_REASON_ERROR,
+                                           error="no verifier available to resume on")
+                    return
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier available (all busy or none live)")
+            routed = verifier_pb2.RoutedGenerateRequest(request=request)
+            if lost:
+                routed.resume.streamed_token_ids.extend(streamed)
+                routed.resume.streamed_text = "".join(text)
+            call = self.router.stub(address).Generate(routed)
+            try:
+                async for chunk in self._relay(call, streamed, text, has_peer=lambda: len(self.registry.live()) > 1):
+                    yield chunk
+                    if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                        return
+                raise VerifierLost("stream ended without a final chunk")
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in LOST:  # a verdict on the request itself: pass it on
+                    if streamed:
+                        yield pb.GenerateChunk(request_id=request.request_id, offset=len(streamed),
+                                               finish_reason=pb.FINISH_REASON_ERROR, error=error.details() or "")
+                        return
+                    await context.abort(error.code(), error.details() or "")
+                why = f"{error.code().name}: {error.details()}"
+            except VerifierLost as error:
+                why = str(error)
+            finally:
+                call.cancel()
+                self.router.release(address)
+            lost += 1
+            self.registry.mark_dead(address)
+            metrics.RESUMED.inc()
+            log.warning("request %s lost verifier %s after %d tokens (%s); resuming elsewhere",
+                        request.request_id, address, len(streamed), why)
+            if lost > self.max_resumes:
+                yield pb.GenerateChunk(request_id=request.request_id, offset=len(streamed),
+                                       finish_reason=pb.FINISH_REASON_ERROR, error=f"gave up after {lost} verifier losses")
+                return
+
+    async def _relay(self, call, streamed: list[int], text: list[str], has_peer):
+        async for chunk in call:
+            if chunk.offset != len(streamed):  # never relay a duplicate or leave a gap
+                raise VerifierLost(f"chunk at offset {chunk.offset}, expected {len(streamed)}")
+            if chunk.finish_reason == pb.FINISH_REASON_CANCELLED and has_peer():
+                # The verifier is shutting down: keep its tokens, finish elsewhere.
+                if chunk.token_ids:
+                    streamed.extend(chunk.token_ids)
+                    text.append(chunk.text)
+                    chunk.ClearField("finish_reason")
+                    chunk.ClearField("metrics")
+                    yield chunk
+                raise VerifierLost("verifier cancelled the request (shutting down)")
+            streamed.extend(chunk.token_ids)
+            text.append(chunk.text)
+            yield chunk
+
+    async def ListModels(self, request, context):
+        seen = {}
+        for r in self.registry.live():
+            seen.setdefault(r["model"], pb.ModelInfo(name=r["model"], drafter=r.get("drafter_kind", ""),
+                                                     gamma=r.get("gamma", 0),
+                                                     max_context_tokens=r.get("max_context_tokens", 0)))
+        return pb.ListModelsResponse(models=list(seen.values()))
+
+
+def record_from_load(load: load_pb2.VerifierLoad) -> dict:
+    return dict(verifier_id=load.verifier_id, running=load.running, queued=load.queued, kv_use=load.kv_use,
+                capacity=load.capacity, max_batch=load.max_batch, max_context_tokens=load.max_context_tokens,
+                model=load.model)
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    """Verifiers report here. Answers come back at once: the store is written in the background."""
+
+    def __init__(self, registry: Registry):
+        self.registry = registry
+
+    def _capacity(self):
+        return load_pb2.Capacity(k=0)  # 0 = no decision: verifiers keep their own K (two-step rule: later)
+
+    async def RegisterVerifier(self, request, context):
+        if not request.address or not request.load.verifier_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address and load.verifier_id are required")
+        record = record_from_load(request.load)
+        record.update(address=request.address, model=request.model or record["model"],
+                      drafter_kind=request.drafter_kind, drafter_version=request.drafter_version, gamma=request.gamma)
+        self.registry.revive(request.address)
+        self.registry.heartbeat(record)
+        log.info("verifier %s registered at %s (%s)", record["verifier_id"], request.address, record["model"])
+        return self._capacity()
+
+    async def Heartbeat(self, request, context):
+        known = self.registry.by_id(request.load.verifier_id)
+        if known is None:  # we lost it (restart with an empty store): make it register again
+            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown verifier: register first")
+        self.registry.heartbeat(dict(known, **record_from_load(request.load)))
+        return self._capacity()
+
+    async def ReportStep(self, request, context):
+        if request.verified_len:
+            counts = {"steps": 1, "drafts": len(request.verified_len), "verified": sum(request.verified_len),
+                      "accepted": sum(request.accepted_len)}
+            self.registry.background(self.registry.store.add_outcomes(request.drafter_version or "none", counts))
+        return self._capacity()

@@ -1,0 +1,176 @@
+"""Real service processes on localhost for the tests: ports, tiny checkpoints, start/kill, health waits."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_tiny_target(path: Path, seed: int = 0) -> Path:
+    """A tiny random Llama as a Hugging Face directory the services load with --model."""
+    import torch
+    from conftest import tiny_hf_model, write_tiny_tokenizer
+
+    torch.manual_seed(seed)
+    model = tiny_hf_model("llama", num_hidden_layers=4, eos_token_id=None)  # no EOS: runs to max_tokens
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # sharper logits: greedy ties are then practically impossible
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    write_tiny_tokenizer(path, model.config.vocab_size)
+    return path
+
+
+class Service:
+    """One `python -m <module> ...` subprocess, logging to a file next to the test's tmp dir."""
+
+    def __init__(self, module: str, args: list[str], log_dir: Path, name: str | None = None, env: dict | None = None):
+        self.module, self.args = module, args
+        self.name = name or module
+        self.log_path = log_dir / f"{self.name}-{int(time.time() * 1000) % 10**8}.log"
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=full_env,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def terminate(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+def health_status(address: str, timeout: float = 1.0):
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
+        except grpc.RpcError:
+            return None
+
+
+def wait_serving(address: str, service: Service | None = None, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if health_status(address) == health_pb2.HealthCheckResponse.SERVING:
+            return
+        if service is not None and service.proc.poll() is not None:
+            raise RuntimeError(f"{service.name} exited with {service.proc.returncode}:\n{service.log()[-4000:]}")
+        time.sleep(0.2)
+    raise TimeoutError(f"{address} not serving after {timeout} s" + (f":\n{service.log()[-4000:]}" if service else ""))
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"{what} not reached within {timeout} s")
+
+
+def start_drafter(target: str, log_dir: Path, port: int | None = None, **flags) -> tuple[Service, str]:
+    port = port or free_port()
+    args = [f"--port={port}", f"--target-model={target}", "--gamma=4", "--num-layers=1", "--grace-s=2"]
+    args += [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
+    return Service("drafter_svc", args, log_dir, f"drafter-{port}"), f"127.0.0.1:{port}"
+
+
+def start_verifier(target: str, log_dir: Path, drafter: str, scheduler: str = "", port: int | None = None,
+                   **flags) -> tuple[Service, str]:
+    port = port or free_port()
+    args = [f"--port={port}", f"--model={target}", f"--drafter-addr={drafter}", f"--scheduler-addr={scheduler}",
+            f"--verifier-id=verifier-{port}", "--max-batch=16", "--max-len=1024", "--grace-s=5",
+            "--drafter-timeout-s=1"]
+    args += [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
+    return Service("verifier_svc", args, log_dir, f"verifier-{port}"), f"127.0.0.1:{port}"
+
+
+def start_scheduler(log_dir: Path, verifiers: list[str], redis_url: str = "", port: int | None = None,
+                    **flags) -> tuple[Service, str]:
+    port = port or free_port()
+    args = [f"--port={port}", f"--redis-url={redis_url}", f"--verifiers={','.join(verifiers)}", "--grace-s=5"]
+    args += [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
+    return Service("scheduler_svc", args, log_dir, f"scheduler-{port}"), f"127.0.0.1:{port}"
+
+
+def wait_registered(scheduler: str, count: int, timeout: float = 60) -> None:
+    """Until the scheduler routes to `count` verifiers (ListModels lists models of live ones only)."""
+    from dspark.proto_gen.v1 import generation_pb2, generation_pb2_grpc
+    from dspark.proto_gen.v1 import verifier_pb2_grpc  # noqa: F401  (registers descriptors)
+
+    def live() -> bool:
+        with grpc.insecure_channel(scheduler) as channel:
+            try:
+                models = generation_pb2_grpc.GenerationStub(channel).ListModels(
+                    generation_pb2.ListModelsRequest(), timeout=1).models
+            except grpc.RpcError:
+                return False
+        return len(models) > 0
+
+    wait_until(live, timeout, what=f"verifiers registered with {scheduler}")
+
+
+class RedisServer:
+    """A redis-server of the test's own, on its own port (so it can be killed and restarted)."""
+
+    def __init__(self, port: int | None = None):
+        self.port = port or free_port()
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                                      "--save", "", "--appendonly", "no"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        wait_until(lambda: self._ping(redis), 10, what="redis-server up")
+        return self
+
+    def _ping(self, redis) -> bool:
+        try:
+            return redis.Redis(port=self.port, socket_timeout=0.2).ping()
+        except redis.RedisError:
+            return False
+
+    def client(self):
+        import redis
+
+        return redis.Redis(port=self.port, socket_timeout=1, decode_responses=True)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

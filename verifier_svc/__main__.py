@@ -1,0 +1,135 @@
+"""python -m verifier_svc --port=50052 --health-port=50060 --metrics-port=9400 --model=smollm2-135m
+       --drafter-addr=HOST:50053 --scheduler-addr=HOST:50051 [--redis-url=...] [--verifier-id=...]
+       [--max-batch=16] [--max-len=2048] [--k=K]
+
+--drafter-addr empty = plain decoding; --scheduler-addr empty = no reports (direct use only).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+
+import torch
+
+from dspark.models.loader import DEFAULT_MODEL, load_model
+from dspark.proto_gen.v1 import generation_pb2_grpc, scheduler_pb2, verifier_pb2_grpc
+from dspark.serving import metrics
+from dspark.serving.config import common_parser, env
+from dspark.serving.server import GrpcApp, setup_logging
+from dspark.spec.engine import SpecEngine
+from dspark.spec.policy import FixedK
+from verifier_svc.remote_drafter import RemoteDrafter
+from verifier_svc.reporter import SchedulerReporter, make_load
+from verifier_svc.runner import EngineRunner
+from verifier_svc.service import GenerationService, VerifierCore, VerifierService
+
+log = logging.getLogger("verifier_svc")
+
+
+def parse_args(argv=None):
+    ap = common_parser(__doc__, port=50052)
+    ap.add_argument("--model", default=env("DSPARK_MODEL", DEFAULT_MODEL))
+    ap.add_argument("--drafter-addr", default=env("DSPARK_DRAFTER_ADDR", ""))
+    ap.add_argument("--scheduler-addr", default=env("DSPARK_SCHEDULER_ADDR", ""))
+    ap.add_argument("--redis-url", default=env("DSPARK_REDIS_URL", ""),
+                    help="accepted for the chart; the verifier reaches Redis only through the scheduler today")
+    ap.add_argument("--verifier-id", default=env("DSPARK_VERIFIER_ID", env("POD_NAME", "")),
+                    help="default: $POD_NAME, else host-port")
+    ap.add_argument("--advertise-addr", default=env("DSPARK_ADVERTISE_ADDR", ""),
+                    help="host:port the scheduler dials (default: $POD_IP or 127.0.0.1, with --port)")
+    ap.add_argument("--max-batch", type=int, default=int(env("DSPARK_MAX_BATCH", 16)))
+    ap.add_argument("--max-len", type=int, default=int(env("DSPARK_MAX_LEN", 2048)))
+    ap.add_argument("--k", type=int, default=int(env("DSPARK_K", -1)),
+                    help="draft tokens verified per request per step (default: the drafter's block size)")
+    ap.add_argument("--default-max-tokens", type=int, default=int(env("DSPARK_DEFAULT_MAX_TOKENS", 256)))
+    ap.add_argument("--drafter-timeout-s", type=float, default=float(env("DSPARK_DRAFTER_TIMEOUT_S", 2.0)),
+                    help="deadline of one draft round trip; past it the step runs as plain decoding")
+    ap.add_argument("--drafter-wait-s", type=float, default=float(env("DSPARK_DRAFTER_WAIT_S", 120)),
+                    help="at startup, how long to wait for the drafter before serving without one")
+    args = ap.parse_args(argv)
+    args.verifier_id = args.verifier_id or f"{socket.gethostname()}-{args.port}"
+    args.advertise_addr = args.advertise_addr or f"{env('POD_IP', '127.0.0.1')}:{args.port}"
+    return args
+
+
+async def serve(args) -> None:
+    core = VerifierCore(args.default_max_tokens)
+    state = {}
+
+    def load_fn():
+        k = state["engine"].policy.k if "engine" in state else 0
+        return make_load(args.verifier_id, core.runner, args.max_batch, args.max_len, core.model_name, k)
+
+    def set_capacity(capacity) -> None:
+        # k = 0 means "no decision yet": keep what is in force (the scheduler's rule comes later).
+        if capacity.k and "engine" in state and state["drafter"] is not None:
+            state["engine"].policy.k = min(int(capacity.k), state["drafter"].gamma)
+            metrics.CAPACITY_K.set(state["engine"].policy.k)
+
+    app = GrpcApp("verifier", args, [
+        (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(core), "dspark.v1.Generation"),
+        (verifier_pb2_grpc.add_VerifierServicer_to_server, VerifierService(core, load_fn, set_capacity),
+         "dspark.v1.Verifier"),
+    ])
+    await app.start()
+    loaded = await asyncio.to_thread(load_model, args.model)
+    drafter = None
+    if args.drafter_addr:
+        remote = RemoteDrafter(args.drafter_addr, timeout_s=args.drafter_timeout_s)
+        if await asyncio.to_thread(remote.connect, args.drafter_wait_s):
+            drafter = remote
+            app.on_shutdown.append(lambda: asyncio.to_thread(remote.close))
+        else:
+            log.error("no drafter at %s after %.0f s: serving with plain decoding", args.drafter_addr,
+                      args.drafter_wait_s)
+    k = (args.k if args.k >= 0 else drafter.gamma) if drafter is not None else 0
+    engine = SpecEngine(loaded.model, drafter, FixedK(k), max_batch=args.max_batch, max_len=args.max_len)
+    state.update(engine=engine, drafter=drafter)
+    metrics.CAPACITY_K.set(k)
+
+    reporter = None
+    if args.scheduler_addr:
+        register = scheduler_pb2.RegisterVerifierRequest(
+            address=args.advertise_addr, model=loaded.name, drafter_kind=drafter.kind if drafter else "",
+            drafter_version=drafter.version if drafter else "", gamma=drafter.gamma if drafter else 0)
+        reporter = SchedulerReporter(args.scheduler_addr, register, load_fn, set_capacity)
+
+    def on_step(report) -> None:  # engine thread: cheap bookkeeping only
+        metrics.STEP_LATENCY.labels(metrics.batch_tokens_bucket(report.batch_tokens)).observe(report.seconds)
+        if report.verified:
+            metrics.NUM_DRAFTS.inc(len(report.verified))
+            metrics.NUM_DRAFT_TOKENS.inc(sum(report.verified))
+            metrics.NUM_ACCEPTED.inc(sum(report.accepted))
+            for n in report.accepted:
+                for pos in range(n):
+                    metrics.ACCEPTED_PER_POS.labels(str(pos)).inc()
+        if reporter is not None:
+            reporter.on_step(report, drafter.version if drafter else "")
+
+    runner = EngineRunner(engine, on_step)
+    core.tokenizer, core.model_name, core.max_len = loaded.tokenizer, loaded.name, args.max_len
+    core.vocab_size = loaded.model.config.vocab_size
+    core.drafter_info = drafter.info if drafter is not None else None
+    runner.start()
+    core.runner = runner
+    if reporter is not None:
+        reporter.start()
+        app.on_shutdown.insert(0, reporter.close)
+    app.on_shutdown.append(lambda: asyncio.to_thread(runner.stop))
+    log.info("verifier %s serving %s at %s (drafter: %s, k=%d, max batch %d, max len %d)", args.verifier_id,
+             loaded.name, args.advertise_addr, drafter.kind if drafter else "none", k, args.max_batch, args.max_len)
+    await app.set_serving()
+    await app.wait_for_termination()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

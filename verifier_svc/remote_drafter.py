@@ -1,0 +1,272 @@
+"""RemoteDrafter: the Drafter interface SpecEngine expects, over one long-lived DraftStream.
+
+extend_context / rollback / release only buffer per-request updates; draft() sends them all in
+one DraftRequest with the anchors and waits (up to a deadline) for the blocks. Any failure
+raises DrafterUnavailable, so that step runs as plain decoding, and a background thread
+reconnects; context_len then reports 0 so SpecEngine resends whole contexts. All calls but
+close() come from the one engine thread.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from dspark.drafters.base import DraftBlock
+from dspark.proto_gen.v1 import drafter_pb2, drafter_pb2_grpc
+from dspark.serving import metrics
+from dspark.serving.config import sync_channel
+from dspark.spec.errors import DrafterUnavailable
+from dspark.wire import WireError, tensor_from_proto, tensor_to_proto
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    """Updates for one request not sent yet: truncate to `base`, then append these rows."""
+    base: int
+    features: list = field(default_factory=list)  # [n_i, m*d] chunks
+    tokens: list = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.base + len(self.tokens)
+
+
+class _Link:
+    """One DraftStream call: requests go in through a queue, a reader thread collects responses."""
+
+    def __init__(self, channel: grpc.Channel):
+        self.channel = channel
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.responses: queue.SimpleQueue = queue.SimpleQueue()
+        self.alive = True
+        self.call = drafter_pb2_grpc.DrafterStub(channel).DraftStream(iter(self.requests.get, None))
+        threading.Thread(target=self._read, daemon=True, name="drafter-link").start()
+
+    def _read(self) -> None:
+        try:
+            for response in self.call:
+                self.responses.put(response)
+            error = DrafterUnavailable("drafter closed the stream")
+        except grpc.RpcError as e:
+            error = DrafterUnavailable(f"drafter stream failed: {e.code().name} {e.details()}")
+        self.alive = False
+        self.responses.put(error)
+
+    def close(self) -> None:
+        self.alive = False
+        self.requests.put(None)
+        self.call.cancel()
+        self.channel.close()
+
+
+class RemoteDrafter:
+    def __init__(self, address: str, timeout_s: float = 2.0, max_message_mb: float = 256,
+                 reconnect_s: float = 0.5):
+        self.address, self.timeout_s, self.max_message_mb, self.reconnect_s = address, timeout_s, max_message_mb, reconnect_s
+        self.info: drafter_pb2.DrafterInfoResponse | None = None
+        self._link: _Link | None = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._known: dict[str, int] = {}  # context length the drafter is known to hold
+        self._pending: dict[str, _Pending] = {}
+        self._releases: set[str] = set()
+        self._sent: set[str] = set()  # requests the drafter on the current link may hold
+        self._step = 0
+        self.last_bytes = 0  # both directions, last draft() call
+        self.total_bytes = 0
+
+    # ---- connection ------------------------------------------------------------------------
+    def connect(self, wait_s: float) -> bool:
+        """Fetch DrafterInfo and open the stream, retrying for up to wait_s; then keep it up."""
+        deadline = time.monotonic() + wait_s
+        while not self._try_connect():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(self.reconnect_s)
+        threading.Thread(target=self._maintain, daemon=True, name="drafter-reconnect").start()
+        return True
+
+    def _try_connect(self) -> bool:
+        channel = sync_channel(self.address, self.max_message_mb)
+        try:
+            info = drafter_pb2_grpc.DrafterStub(channel).DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=2)
+        except grpc.RpcError:
+            channel.close()
+            return False
+        if self.info is not None and (info.gamma, list(info.target_layers), info.hidden_size) != (
+                self.info.gamma, list(self.info.target_layers), self.info.hidden_size):
+            log.error("drafter at %s changed shape (gamma/layers/width); not using it", self.address)
+            channel.close()
+            return False
+        if self.info is not None and info.version != self.info.version:
+            log.warning("drafter version changed: %s -> %s", self.info.version, info.version)
+        self.info = info
+        link = _Link(channel)
+        with self._lock:
+            old, self._link = self._link, link
+        if old is not None:
+            old.close()
+        log.info("drafter stream open to %s (%s %s)", self.address, info.kind, info.version)
+        return True
+
+    def _maintain(self) -> None:
+        while not self._closed.wait(self.reconnect_s):
+            link = self._link
+            if link is None or not link.alive:
+                self._try_connect()
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            if self._link is not None:
+                self._link.close()
+
+    @property
+    def connected(self) -> bool:
+        return self._link is not None and self._link.alive
+
+    # ---- identity (DrafterInfo) ------------------------------------------------------------
+    @property
+    def gamma(self) -> int:
+        return self.info.gamma
+
+    @property
+    def ctx_layers(self) -> list[int]:
+        return list(self.info.target_layers)
+
+    @property
+    def kind(self) -> str:
+        return self.info.kind
+
+    @property
+    def version(self) -> str:
+        return self.info.version
+
+    @property
+    def has_confidence(self) -> bool:
+        return self.info.has_confidence
+
+    # ---- context bookkeeping: buffered, sent with the next draft ---------------------------
+    def context_len(self, req_id: str) -> int:
+        pending = self._pending.get(req_id)
+        return pending.length if pending else self._known.get(req_id, 0)
+
+    def rollback(self, req_id: str, n_ctx: int) -> None:
+        pending = self._pending.get(req_id)
+        if pending is None:
+            self._pending[req_id] = _Pending(base=min(n_ctx, self._known.get(req_id, 0)))
+        elif n_ctx >= pending.base:  # drop buffered rows past n_ctx
+            keep = n_ctx - pending.base
+            rows = torch.cat(pending.features)[:keep] if pending.features else None
+            pending.features = [rows] if rows is not None and len(rows) else []
+            pending.tokens = pending.tokens[:keep]
+        else:
+            self._pending[req_id] = _Pending(base=n_ctx)
+
+    def extend_context(self, req_id: str, features: torch.Tensor, tokens: torch.Tensor) -> None:
+        pending = self._pending.setdefault(req_id, _Pending(base=self._known.get(req_id, 0)))
+        pending.features.append(features.to(torch.bfloat16))  # the engine logs bf16: lossless
+        pending.tokens.extend(tokens.tolist())
+
+    def release(self, req_id: str) -> None:
+        self._pending.pop(req_id, None)
+        self._known.pop(req_id, None)
+        if req_id in self._sent:
+            self._sent.discard(req_id)
+            self._releases.add(req_id)
+
+    def _forget_all(self) -> None:
+        """We no longer know what the drafter holds: make SpecEngine resend from 0."""
+        self._known.clear()
+        self._pending.clear()
+
+    # ---- drafting --------------------------------------------------------------------------
+    def draft(self, req_ids, anchors, temperatures, generators, forced_tokens=None, return_logits=False) -> DraftBlock:
+        link = self._link
+        if link is None or not link.alive:
+            self._forget_all()
+            self._releases.clear()  # a new drafter holds none of them
+            self._sent.clear()
+            raise DrafterUnavailable(f"no drafter stream to {self.address}")
+        self._step += 1
+        request = drafter_pb2.DraftRequest(step=self._step)
+        for req_id in sorted(self._releases):
+            request.sequences.add(request_id=req_id, release=True)
+        sent_len = {}
+        for i, req_id in enumerate(req_ids):
+            pending = self._pending.get(req_id) or _Pending(base=self._known.get(req_id, 0))
+            update = request.sequences.add(request_id=req_id, anchor_token=int(anchors[i]),
+                                           context_len=pending.base, temperature=float(temperatures[i]),
+                                           tokens=pending.tokens)
+            if pending.features:
+                update.hidden.CopyFrom(tensor_to_proto(torch.cat(pending.features)))
+            seed = getattr(generators[i], "initial_seed", None) if generators[i] is not None else None
+            if seed is not None:
+                update.seed = seed()
+            sent_len[req_id] = pending.length
+            self._sent.add(req_id)
+        link.requests.put(request)
+        response = self._await(link, self._step)
+        self._releases.clear()
+        self.last_bytes = request.ByteSize() + response.ByteSize()
+        self.total_bytes += self.last_bytes
+        metrics.DRAFTER_LINK_BYTES.labels("to_drafter").inc(request.ByteSize())
+        metrics.DRAFTER_LINK_BYTES.labels("from_drafter").inc(response.ByteSize())
+        metrics.DRAFTER_LINK_BYTES_PER_STEP.observe(self.last_bytes)
+        for req_id in req_ids:
+            self._pending.pop(req_id, None)
+        return self._to_block(req_ids, response, sent_len)
+
+    def _await(self, link: _Link, step: int) -> drafter_pb2.DraftResponse:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                response = link.responses.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                # Slow, not necessarily gone: it may still apply this request, so its state is unknown.
+                self._forget_all()
+                raise DrafterUnavailable(f"drafter did not answer within {self.timeout_s} s") from None
+            if isinstance(response, Exception):
+                self._forget_all()
+                self._releases.clear()
+                self._sent.clear()
+                raise response
+            if response.step == step:
+                return response
+            # A late answer to a step we gave up on: skip it.
+
+    def _to_block(self, req_ids, response, sent_len) -> DraftBlock:
+        by_id = {s.request_id: s for s in response.sequences}
+        missing = [r for r in req_ids if r not in by_id or by_id[r].context_missing]
+        for req_id in req_ids:
+            self._known[req_id] = 0 if req_id in missing else sent_len[req_id]
+        if missing:
+            raise DrafterUnavailable(f"drafter lost the context of {len(missing)} request(s); resending")
+        gamma = self.gamma
+        try:
+            rows = [by_id[r] for r in req_ids]
+            tokens = torch.tensor([list(s.tokens) for s in rows], dtype=torch.long)
+            ids = [tensor_from_proto(s.support_ids, torch.int64, (gamma, None)) for s in rows]
+            probs = [tensor_from_proto(s.support_probs, torch.float32, (gamma, ids[i].shape[1]))
+                     for i, s in enumerate(rows)]
+            conf = None
+            if self.has_confidence:
+                conf = torch.stack([tensor_from_proto(s.confidence_logits, torch.float32, (gamma,)) for s in rows])
+        except (WireError, ValueError) as error:
+            self._forget_all()
+            raise DrafterUnavailable(f"malformed draft response: {error}") from error
+        if tokens.shape != (len(req_ids), gamma):
+            self._forget_all()
+            raise DrafterUnavailable(f"draft tokens of shape {tuple(tokens.shape)}, expected ({len(req_ids)}, {gamma})")
+        width = max(i.shape[1] for i in ids)  # greedy rows have S = 1, sampled ones more: zero-pad
+        pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
+        return DraftBlock(tokens=tokens, conf_logits=conf, support_ids=torch.stack([pad(i) for i in ids]),
+                          support_probs=torch.stack([pad(p) for p in probs]))

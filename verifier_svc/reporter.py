@@ -1,0 +1,88 @@
+"""Verifier -> scheduler reports, off the critical path (DESIGN.md 2, step 7).
+
+The engine thread only appends its step reports to a bounded deque (never blocks, drops the
+oldest when the scheduler is slow); an asyncio task registers, heartbeats the load every
+~0.5 s and flushes the step reports. If the scheduler is gone, calls fail fast, the reports
+are dropped and the verifier keeps serving with the capacity it last had.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+
+import grpc
+import torch
+
+from dspark.proto_gen.v1 import load_pb2, scheduler_pb2, scheduler_pb2_grpc
+from dspark.serving.config import aio_channel
+from dspark.wire import tensor_to_proto
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerReporter:
+    def __init__(self, address: str, register: scheduler_pb2.RegisterVerifierRequest, load_fn, on_capacity,
+                 interval_s: float = 0.5, max_message_mb: float = 16):
+        self.address, self.register, self.load_fn, self.on_capacity = address, register, load_fn, on_capacity
+        self.interval_s = interval_s
+        self.channel = aio_channel(address, max_message_mb)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.reports: collections.deque = collections.deque(maxlen=512)
+        self._task: asyncio.Task | None = None
+        self._steps = 0
+
+    def on_step(self, step_report, drafter_version: str = "") -> None:
+        """Engine thread: remember the step (deque.append is thread-safe)."""
+        self._steps += 1
+        if step_report.batch_size:
+            self.reports.append((self._steps, step_report, drafter_version))
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        await self.channel.close()
+
+    def _step_proto(self, step: int, r, drafter_version: str) -> scheduler_pb2.StepReport:
+        msg = scheduler_pb2.StepReport(
+            verifier_id=self.register.load.verifier_id, step=step, batch_size=r.batch_size,
+            batch_tokens=r.batch_tokens, step_latency_s=r.seconds, drafter_version=drafter_version,
+            verified_len=r.verified, accepted_len=r.accepted)
+        if r.conf_logits is not None:
+            msg.confidence_logits.CopyFrom(tensor_to_proto(r.conf_logits.to(torch.float32)))
+        return msg
+
+    async def _run(self) -> None:
+        registered = False
+        while True:
+            try:
+                load = self.load_fn()
+                if not registered:
+                    self.register.load.CopyFrom(load)
+                    capacity = await self.stub.RegisterVerifier(self.register, timeout=1.0)
+                    registered = True
+                    log.info("registered with the scheduler at %s", self.address)
+                else:
+                    capacity = await self.stub.Heartbeat(scheduler_pb2.HeartbeatRequest(load=load), timeout=1.0)
+                self.on_capacity(capacity)
+                batch = [self.reports.popleft() for _ in range(len(self.reports))]
+                if batch:
+                    await asyncio.gather(*(self.stub.ReportStep(self._step_proto(*item), timeout=1.0)
+                                           for item in batch))
+            except grpc.aio.AioRpcError as error:
+                if registered:
+                    log.warning("scheduler at %s unreachable (%s); still serving", self.address, error.code().name)
+                registered = False  # re-register once it is back (it may have lost its state)
+                self.reports.clear()
+            except Exception:
+                log.exception("scheduler report failed")
+            await asyncio.sleep(self.interval_s)
+
+
+def make_load(verifier_id: str, runner, max_batch: int, max_len: int, model: str, k: int) -> load_pb2.VerifierLoad:
+    return load_pb2.VerifierLoad(verifier_id=verifier_id, running=runner.running, queued=runner.queued,
+                                 kv_use=runner.kv_use(), capacity=k, max_batch=max_batch,
+                                 max_context_tokens=max_len, model=model)

@@ -1,0 +1,135 @@
+"""The engine thread: SpecEngine's step loop, fed by a thread-safe inbox.
+
+gRPC handlers (asyncio) submit jobs and cancel them; the thread admits them between steps, runs
+steps while there is work, and hands each job's new tokens back to its handler's event loop
+with call_soon_threadsafe. Step reports go to a callback that must not block.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.sampling import SamplingParams
+from dspark.spec.engine import SpecEngine
+from dspark.spec.metrics import SpecMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Event:
+    tokens: list[int]
+    finish: str | None = None  # dspark.engine.sequence.FinishReason value once done
+    metrics: SpecMetrics | None = None  # with finish
+    error: str = ""
+
+
+@dataclass
+class Job:
+    req_id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_draft: int | None
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    seq: object = None
+
+    def deliver(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class EngineRunner:
+    def __init__(self, engine: SpecEngine, on_step=None):
+        self.engine, self.on_step = engine, on_step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: dict[str, Job] = {}
+        self._stop = threading.Event()
+        self.inbox_size = 0  # submitted, not yet in the engine (read by load reports)
+        self.thread = threading.Thread(target=self._run, daemon=True, name="engine")
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self.thread.join(timeout=10)
+
+    def submit(self, job: Job) -> None:
+        self.inbox_size += 1
+        self._inbox.put(("add", job))
+
+    def cancel(self, job: Job) -> None:
+        self._inbox.put(("abort", job))
+
+    # ---- load, read from other threads (ints and list lengths: good enough without a lock) --
+    @property
+    def running(self) -> int:
+        return len(self.engine.running)
+
+    @property
+    def queued(self) -> int:
+        return len(self.engine.waiting) + self.inbox_size
+
+    def kv_use(self) -> float:
+        return self.engine.cache.usage()
+
+    # ---- the thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_work())
+            if not self.engine.has_work():
+                continue
+            try:
+                events = self.engine.step()
+            except Exception as error:  # a bug or OOM: fail what is running, keep serving
+                log.exception("engine step failed")
+                self._fail_all(f"engine step failed: {error}")
+                continue
+            for seq, tokens in events:
+                job = self._jobs.get(seq.req_id)
+                if job is None:
+                    continue
+                if seq.done:
+                    del self._jobs[seq.req_id]
+                    job.deliver(Event(tokens, seq.finish.value, seq.metrics))
+                elif tokens:
+                    job.deliver(Event(tokens))
+            if self.on_step is not None:
+                self.on_step(self.engine.last_report)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            kind, job = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if kind == "add":
+                self.inbox_size -= 1
+                try:
+                    job.seq = self.engine.add(job.prompt, job.params, req_id=job.req_id, max_draft=job.max_draft)
+                    self._jobs[job.req_id] = job
+                except ValueError as error:  # checked before submit; belt and braces
+                    job.deliver(Event([], "abort", error=str(error)))
+            elif kind == "abort" and self._jobs.pop(job.req_id, None) is not None:
+                self.engine.abort(job.seq)
+            try:
+                kind, job = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_all(self, message: str) -> None:
+        for job in list(self._jobs.values()):
+            if job.seq is not None:
+                try:
+                    self.engine.abort(job.seq)
+                except Exception:  # the engine is in a bad state already
+                    pass
+            job.deliver(Event([], "abort", error=message))
+        self._jobs.clear()

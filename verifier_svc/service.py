@@ -1,0 +1,161 @@
+"""The verifier's gRPC surface: public Generation (direct use) and internal Verifier (the scheduler's).
+
+Both Generate calls run the same path: check the request, tokenize, hand a job to the engine
+thread, then turn its token events into GenerateChunks (text deltas, stop strings, metrics).
+A resumed request (ResumeInfo) is prefilled with prompt + the tokens already streamed and
+continues after them without sending them again.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import grpc
+
+from dspark.proto_gen.v1 import (generation_pb2 as pb, generation_pb2_grpc, verifier_pb2, verifier_pb2_grpc)
+from dspark.serving import metrics
+from dspark.serving.requests import (RequestError, check_prompt_fits, check_request, check_token_ids,
+                                     sampling_params)
+from dspark.serving.textstream import TextStream
+from dspark.spec.metrics import SpecMetrics
+from verifier_svc.runner import Job
+
+FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_CANCELLED}
+
+
+def metrics_proto(m: SpecMetrics | None, prompt_tokens: int, generated: int,
+                  prior: pb.SpecMetrics | None) -> pb.SpecMetrics:
+    """Per-request counters; `prior` = those of the verifier(s) before a resume."""
+    m = m or SpecMetrics()
+    steps = m.steps + 1  # the prefill pass produced the first token too
+    out = pb.SpecMetrics(prompt_tokens=prompt_tokens, generated_tokens=generated, steps=steps, drafts=m.drafts,
+                         draft_tokens=m.draft_tokens, accepted_tokens=m.accepted_tokens,
+                         verified_per_position=m.verified_per_pos, accepted_per_position=m.accepted_per_pos)
+    if prior is not None:
+        out.steps += prior.steps
+        out.drafts += prior.drafts
+        out.draft_tokens += prior.draft_tokens
+        out.accepted_tokens += prior.accepted_tokens
+        for name in ("verified_per_position", "accepted_per_position"):
+            a, b = list(getattr(out, name)), list(getattr(prior, name))
+            n = max(len(a), len(b))
+            merged = [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
+            getattr(out, name)[:] = merged
+    out.tau = out.generated_tokens / out.steps if out.steps else 0.0
+    return out
+
+
+class VerifierCore:
+    """Everything Generate needs; the engine-side objects are set once the model is loaded."""
+
+    def __init__(self, default_max_tokens: int):
+        self.default_max_tokens = default_max_tokens
+        self.runner = None
+        self.tokenizer = None
+        self.model_name = ""
+        self.max_len = 0
+        self.vocab_size = 0
+        self.drafter_info = None  # DrafterInfoResponse or None (no drafter)
+
+    @property
+    def ready(self) -> bool:
+        return self.runner is not None
+
+    def model_info(self) -> pb.ModelInfo:
+        d = self.drafter_info
+        return pb.ModelInfo(name=self.model_name, drafter=d.kind if d else "", gamma=d.gamma if d else 0,
+                            max_context_tokens=self.max_len)
+
+    def _prompt(self, request: pb.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            return self.tokenizer.encode(request.text)
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        return self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages.messages])
+
+    async def generate(self, request: pb.GenerateRequest, resume: verifier_pb2.ResumeInfo | None, context):
+        if not self.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+        started = time.perf_counter()
+        streamed = list(resume.streamed_token_ids) if resume is not None else []
+        try:
+            check_request(request, {self.model_name, "default"})
+            prompt = self._prompt(request)
+            if not prompt:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty after tokenization")
+            check_token_ids(prompt + streamed, self.vocab_size)
+            check_prompt_fits(len(prompt), self.max_len)
+            params = sampling_params(request, self.default_max_tokens)
+            params.max_tokens -= len(streamed)
+        except RequestError as error:
+            await context.abort(error.code, error.message)
+        req_id = request.request_id or uuid.uuid4().hex
+        prior = resume.metrics if resume is not None and resume.HasField("metrics") else None
+        if params.max_tokens <= 0 or len(prompt) + len(streamed) >= self.max_len:
+            # A resume of a request that had in fact reached its limit: only the final chunk is left.
+            yield pb.GenerateChunk(request_id=req_id, offset=len(streamed), finish_reason=pb.FINISH_REASON_LENGTH,
+                                   metrics=prior or pb.SpecMetrics(prompt_tokens=len(prompt)))
+            return
+        spec = request.speculation
+        max_draft = 0 if spec.disable else (spec.max_draft_tokens or None)
+        job = Job(req_id, prompt + streamed, params, max_draft, asyncio.get_running_loop())
+        text = TextStream(self.tokenizer.decode, list(request.stop), streamed,
+                          resume.streamed_text if resume is not None else "")
+        offset, done = len(streamed), False
+        self.runner.submit(job)
+        try:
+            while not done:
+                event = await job.events.get()
+                delta, stop_hit = text.push(event.tokens, final=event.finish is not None)
+                chunk = pb.GenerateChunk(request_id=req_id, token_ids=event.tokens, text=delta, offset=offset)
+                offset += len(event.tokens)
+                metrics.GENERATED_TOKENS.inc(len(event.tokens))
+                if stop_hit and event.finish is None:
+                    self.runner.cancel(job)
+                if event.finish is not None or stop_hit:
+                    done = True
+                    chunk.finish_reason = pb.FINISH_REASON_STOP if stop_hit else FINISH[event.finish]
+                    if event.error:
+                        chunk.finish_reason, chunk.error = pb.FINISH_REASON_ERROR, event.error
+                    chunk.metrics.CopyFrom(metrics_proto(event.metrics or job.seq.metrics, len(prompt),
+                                                         offset, prior))
+                    metrics.REQUEST_LATENCY.observe(time.perf_counter() - started)
+                yield chunk
+        finally:
+            if not done:  # the caller went away: free the slot now
+                self.runner.cancel(job)
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, core: VerifierCore):
+        self.core = core
+
+    async def Generate(self, request, context):
+        async for chunk in self.core.generate(request, None, context):
+            yield chunk
+
+    async def ListModels(self, request, context):
+        if not self.core.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+        return pb.ListModelsResponse(models=[self.core.model_info()])
+
+
+class VerifierService(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, core: VerifierCore, load_fn, set_capacity):
+        self.core, self.load_fn, self.set_capacity = core, load_fn, set_capacity
+
+    async def Generate(self, request, context):
+        resume = request.resume if request.HasField("resume") else None
+        async for chunk in self.core.generate(request.request, resume, context):
+            yield chunk
+
+    async def SetCapacity(self, request, context):
+        self.set_capacity(request)
+        return verifier_pb2.SetCapacityResponse()
+
+    async def GetLoad(self, request, context):
+        if not self.core.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+        return self.load_fn()
