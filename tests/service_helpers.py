@@ -174,3 +174,38 @@ class RedisServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+class StreamThread:
+    """One generate_stream call consumed in a thread, so a test can act while tokens flow."""
+
+    def __init__(self, address: str, **request):
+        import threading
+
+        self.address, self.request = address, request
+        self.chunks, self.error = [], None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from dspark_client import Client, RetryPolicy
+
+        try:
+            with Client(self.address, timeout=300, retry=RetryPolicy(max_attempts=1)) as client:
+                for chunk in client.generate_stream(**self.request):
+                    self.chunks.append(chunk)
+        except Exception as error:  # reported by result()
+            self.error = error
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for c in self.chunks for t in c.token_ids]
+
+    def result(self, timeout: float = 300):
+        from dspark_client.types import collect
+
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "stream did not finish"
+        if self.error is not None:
+            raise self.error
+        return collect(self.chunks)

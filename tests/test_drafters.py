@@ -40,8 +40,9 @@ def make(target, kind, seed=0, **overrides):
     fields = dict(gamma=GAMMA, markov_rank=16, support_size=4)
     fields.update(overrides)
     cfg = DrafterConfig.for_target(target.config, kind, CTX_LAYERS, **fields)
-    drafter = build_drafter(cfg, target.model.embed_tokens.weight, target.lm_head.weight,
-                            draft_vocab=overrides.get("draft_vocab_size") and torch.arange(0, 64, 2)[:overrides["draft_vocab_size"]])
+    size = overrides.get("draft_vocab_size")
+    draft_vocab = torch.arange(0, 64, 2)[:size] if size else None  # every other token: not a prefix of arange
+    drafter = build_drafter(cfg, target.model.embed_tokens.weight, target.lm_head.weight, draft_vocab=draft_vocab)
     with torch.no_grad():  # zero-initialised heads would hide bugs: randomise everything
         for p in drafter.parameters():
             p.normal_(0, 0.3)

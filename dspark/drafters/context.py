@@ -16,6 +16,10 @@ class ContextCache:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._store
 
+    def __len__(self) -> int:
+        """How many requests hold a context."""
+        return len(self._store)
+
     def length(self, req_id: str) -> int:
         return self._len.get(req_id, 0)
 

@@ -38,7 +38,8 @@ class _CausalLayer(nn.Module):
         h = self.input_layernorm(u)
         q = self.q_proj(h).view(-1, self.heads, self.head_dim)
         k = self.k_proj(h).view(-1, self.kv_heads, self.head_dim)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), self.v_proj(h).view(-1, self.kv_heads, self.head_dim)
+        v = self.v_proj(h).view(-1, self.kv_heads, self.head_dim)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def finish(self, u, attn):
         """attn [N, H, hd] -> the layer output [N, d]."""

@@ -78,7 +78,9 @@ def spread_layers(num_layers: int, count: int = 5) -> list[int]:
     if num_layers < 2:
         return [0]
     count = min(count, num_layers - 1)
-    first, last = min(1, num_layers - 2), num_layers - 3 if num_layers > 3 else num_layers - 2
+    # The reference spacing ends 3 layers before the top (33 of 36); small models stretch to L-2.
+    first = min(1, num_layers - 2)
+    last = min(max(num_layers - 3, first + count - 1), num_layers - 2)
     if count == 1:
         return [last]
     step = (last - first) / (count - 1)

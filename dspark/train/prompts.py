@@ -73,9 +73,13 @@ def vocabulary_words(tokens: list[str], limit: int = 4000) -> list[str]:
     return words[:limit]
 
 
+FALLBACK_WORDS = ["river", "garden", "engine", "library", "market", "planet", "bridge", "forest", "music", "harbor"]
+
+
 def build_prompts(n: int, vocab_tokens: list[str], seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    funcs, words = stdlib_functions(), vocabulary_words(vocab_tokens)
+    # Targets whose vocabulary is not byte-level BPE (e.g. tiny test tokenizers) get fixed words.
+    funcs, words = stdlib_functions(), vocabulary_words(vocab_tokens) or FALLBACK_WORDS
     prompts = []
     for i in range(n):
         kind = i % 3

@@ -160,7 +160,8 @@ class DataOrder:
     def __call__(self, i: int) -> int:
         epoch = i // self.n
         if epoch not in self._perms:
-            self._perms = {epoch: torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + 7919 * epoch))}
+            gen = torch.Generator().manual_seed(self.seed + 7919 * epoch)
+            self._perms = {epoch: torch.randperm(self.n, generator=gen)}
         return int(self._perms[epoch][i % self.n])
 
 
@@ -285,8 +286,9 @@ def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str |
         seconds = time.perf_counter() - began
         record = {"step": step + 1, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "seconds": seconds,
                   **(_mean_logs(logs) if logs else {})}
-        if "accept" in record:  # teacher-forced expected accepted length from the per-slot proxies
-            record["accept_len"] = float(torch.tensor([0.0 if math.isnan(a) else a for a in record["accept"]]).cumprod(0).sum())
+        if "accept" in record:  # teacher-forced expected accepted length: sum_k prod_{i<=k} alpha_i
+            alphas = torch.tensor([0.0 if math.isnan(a) else a for a in record["accept"]])
+            record["accept_len"] = float(alphas.cumprod(0).sum())
         with log_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         durations.append(seconds)
