@@ -78,7 +78,16 @@ def logits_to_probs(
 
     safe_temperature = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits / safe_temperature[:, None], dim=-1)
+    # Only rows that truncate need the (V log V) sort; plain and greedy rows skip it.
+    truncate = ~greedy & ((top_k > 0) | (top_p < 1))
+    if truncate.any():
+        rows = truncate.nonzero().squeeze(1)
+        probs[rows] = _top_k_top_p(probs[rows], top_k[rows], top_p[rows])
+    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
 
+
+def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     # Work in descending order; a stable sort keeps the lower index first among ties.
     sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True, stable=True)
     rank = torch.arange(probs.shape[-1], device=probs.device)
@@ -88,13 +97,9 @@ def logits_to_probs(
     # below top_p of the total; the first token is always kept.
     mass_before = after_top_k.cumsum(dim=-1) - after_top_k
     keep_sorted &= mass_before < top_p[:, None] * after_top_k.sum(dim=-1, keepdim=True)
-
     keep = torch.zeros_like(keep_sorted).scatter_(1, sorted_ids, keep_sorted)
     probs = torch.where(keep, probs, 0.0)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-
-    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None], one_hot, probs)
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -123,11 +128,9 @@ def truncated_draft_distribution(
     greedy = temperature <= 0
 
     safe_temperature = torch.where(greedy, torch.ones_like(temperature), temperature)
-    probs = torch.softmax(logits / safe_temperature[:, None], dim=-1)
-    sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    support_ids = sorted_ids[:, :support_size].clone()
-    support_probs = sorted_probs[:, :support_size].clone()
-    support_probs = support_probs / support_probs.sum(dim=-1, keepdim=True)
+    # top-S of softmax(logits / T), renormalised = softmax over the S largest logits / T.
+    top_logits, support_ids = torch.topk(logits, support_size, dim=-1)
+    support_probs = torch.softmax(top_logits / safe_temperature[:, None], dim=-1)
 
     # Greedy rows: the argmax of the raw logits (lowest index on ties) with prob 1, then zeros.
     is_first = torch.arange(support_size, device=logits.device)[None, :] == 0

@@ -10,13 +10,13 @@ from dspark.models.transformer import Transformer
 from dspark.sampling import SamplingParams
 
 
-def tiny_target(vocab: int = 64, seed: int = 0, layers: int = 4) -> Transformer:
+def tiny_target(vocab: int = 64, seed: int = 0, layers: int = 4, sharpness: float = 8.0) -> Transformer:
     torch.manual_seed(seed)
     cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=layers,
                       num_heads=4, num_kv_heads=2, head_dim=8, eos_token_ids=())
     model = Transformer(cfg).eval()
     with torch.no_grad():  # sharper logits than the default init, so sampling is not near-uniform
-        model.lm_head.weight.mul_(8)
+        model.lm_head.weight.mul_(sharpness)
     return model
 
 

@@ -124,7 +124,7 @@ def test_sampled_first_tokens_match_plain_sampling(params):
     from dspark.engine.generate import Engine
 
     vocab = 8
-    target = tiny_target(vocab=vocab, seed=5, layers=2)
+    target = tiny_target(vocab=vocab, seed=5, layers=2, sharpness=3.0)
     drafter = random_drafter(target, "dspark", gamma=3, seed=6, support_size=4)
     prompt = [1, 2, 3]
     n = 20_000
@@ -136,6 +136,8 @@ def test_sampled_first_tokens_match_plain_sampling(params):
     common = [k for k in keys if plain.get(k, 0) + spec.get(k, 0) >= 40]
     table = [[plain.get(k, 0) for k in common] + [n - sum(plain.get(k, 0) for k in common)],
              [spec.get(k, 0) for k in common] + [n - sum(spec.get(k, 0) for k in common)]]
+    if table[0][-1] + table[1][-1] == 0:  # nothing rare to pool (e.g. top-p removed the tail)
+        table = [row[:-1] for row in table]
     _, p_value, _, _ = chi2_contingency(table)
     assert len(common) >= 10  # a real joint distribution, not a few outcomes
     assert p_value > 0.001, (p_value, table)
