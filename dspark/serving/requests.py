@@ -71,7 +71,7 @@ def check_token_ids(ids: list[int], vocab_size: int) -> None:
         raise invalid(f"token id {max(ids)} is outside the vocabulary of {vocab_size}")
 
 
-def sampling_params(request: pb.GenerateRequest, default_max_tokens: int, eos_free: bool = False) -> SamplingParams:
+def sampling_params(request: pb.GenerateRequest, default_max_tokens: int) -> SamplingParams:
     s = request.sampling
     return SamplingParams(
         temperature=float(s.temperature), top_p=float(s.top_p) if 0 < s.top_p <= 1 else 1.0, top_k=int(s.top_k),

@@ -97,7 +97,3 @@ class GrpcApp:
         if self.health_server is not None:
             await self.health_server.stop(0)
         log.info("%s stopped", self.name)
-
-
-async def abort_not_ready(context, what: str = "model") -> None:
-    await context.abort(grpc.StatusCode.UNAVAILABLE, f"{what} is still loading")

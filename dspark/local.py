@@ -1,0 +1,130 @@
+"""Local mode: the three services on localhost with the default models, one prompt through them.
+
+    python -m dspark.local --prompt "What is speculative decoding?"
+
+Starts drafter, verifier and scheduler as subprocesses (the scheduler with its in-process
+store: no Redis), waits until they are healthy, streams the answer through dspark_client,
+prints tokens/s and the acceptance length tau, then shuts the services down (SIGTERM).
+The drafter is the shipped checkpoint drafters/<model>/dspark when it exists, else a random
+DSpark drafter, so the pipeline runs either way (a random drafter just accepts little).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dspark.generate import default_drafter_dir
+from dspark.models.loader import DEFAULT_MODEL
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def start(module: str, flags: list[str], log_dir: Path) -> subprocess.Popen:
+    log = open(log_dir / f"{module}.log", "w")
+    return subprocess.Popen([sys.executable, "-m", module, *flags], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def wait_all(procs: dict[str, tuple[subprocess.Popen, str]], timeout: float, log_dir: Path) -> None:
+    deadline = time.monotonic() + timeout
+    pending = dict(procs)
+    while pending:
+        for name, (proc, address) in list(pending.items()):
+            if proc.poll() is not None:
+                raise SystemExit(f"{name} exited with {proc.returncode}; see {log_dir / (name + '.log')}")
+            if serving(address):
+                print(f"  {name} ready on {address}", file=sys.stderr)
+                del pending[name]
+        if time.monotonic() > deadline:
+            raise SystemExit(f"not ready after {timeout:.0f} s: {sorted(pending)}; logs in {log_dir}")
+        time.sleep(0.3)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt", default="Explain speculative decoding in two sentences.")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--drafter", default="", help="drafter checkpoint directory (default: the shipped one, if any)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--log-dir", default="", help="where the services log (default: a temporary directory)")
+    args = ap.parse_args(argv)
+
+    from dspark_client import Client
+    from dspark_client.types import collect
+
+    import tempfile
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="dspark-local-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = args.drafter or str(default_drafter_dir(args.model) or "")
+    ports = {name: free_port() for name in ("drafter_svc", "verifier_svc", "scheduler_svc")}
+    addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+    print(f"starting services (logs in {log_dir}); drafter: {checkpoint or 'random DSpark (no checkpoint found)'}",
+          file=sys.stderr)
+    procs = {
+        "drafter_svc": start("drafter_svc", [f"--port={ports['drafter_svc']}", "--kind=dspark",
+                                             f"--checkpoint={checkpoint}", f"--target-model={args.model}"], log_dir),
+        "scheduler_svc": start("scheduler_svc", [f"--port={ports['scheduler_svc']}", "--redis-url=",
+                                                 f"--verifiers={addr['verifier_svc']}"], log_dir),
+        "verifier_svc": start("verifier_svc", [f"--port={ports['verifier_svc']}", f"--model={args.model}",
+                                               f"--drafter-addr={addr['drafter_svc']}",
+                                               f"--scheduler-addr={addr['scheduler_svc']}", "--max-batch=4"], log_dir),
+    }
+    try:
+        wait_all({n: (p, addr[n]) for n, p in procs.items()}, timeout=600, log_dir=log_dir)
+        with Client(addr["scheduler_svc"], timeout=600) as client:
+            while not client.list_models():  # the verifier registers with the scheduler right after it is ready
+                time.sleep(0.2)
+            start_t, chunks = time.perf_counter(), []
+            for chunk in client.generate_stream(messages=[{"role": "user", "content": args.prompt}],
+                                                max_tokens=args.max_tokens, temperature=args.temperature,
+                                                seed=args.seed):
+                chunks.append(chunk)
+                print(chunk.text, end="", flush=True)
+            elapsed = time.perf_counter() - start_t
+        result = collect(chunks)
+        m = result.metrics
+        accepted = f"{m.accepted_tokens}/{m.draft_tokens}" if m else "?"
+        tau = (1 + m.accepted_tokens / m.drafts) if m and m.drafts else 1.0
+        print(f"\n\n{len(result.token_ids)} tokens in {elapsed:.2f} s = {len(result.token_ids) / elapsed:.1f} tokens/s; "
+              f"acceptance length tau = {tau:.2f} ({accepted} draft tokens accepted); "
+              f"finish: {result.finish_reason.value if result.finish_reason else '?'}")
+        return 0
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

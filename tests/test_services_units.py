@@ -1,0 +1,85 @@
+"""The plain pieces under the services, in process: text streaming, routing, stores, drafter contexts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter_svc.contexts import answer
+from dspark.proto_gen.v1 import drafter_pb2
+from dspark.serving.textstream import TextStream
+from dspark.wire import WireError, tensor_to_proto
+from scheduler_svc.registry import choose
+from scheduler_svc.store import MemoryStore, RedisStore
+from spec_helpers import random_drafter, tiny_target
+
+WORDS = ["a", "b", "STOP", "c"]
+
+
+def decode(ids):
+    return " ".join(WORDS[i] for i in ids)
+
+
+def test_text_stream_holds_back_a_possible_stop_string_and_cuts_at_it():
+    stream = TextStream(decode, stop=[" ST"])
+    assert stream.push([0, 1]) == ("a b", False)
+    delta, hit = stream.push([2])  # "a b STOP": the stop string " ST" begins right after "a b"
+    assert (delta, hit) == ("", True)
+    plain = TextStream(decode)
+    assert "".join(plain.push([i])[0] for i in [0, 1, 3]) + plain.push([], final=True)[0] == "a b c"
+
+
+def test_text_stream_resumes_after_already_streamed_text():
+    stream = TextStream(decode, prefix_tokens=[0, 1], prefix_text="a b")
+    assert stream.push([3]) == (" c", False)
+
+
+def test_choose_picks_the_least_loaded_verifier_with_room():
+    records = [dict(address="a", running=3, queued=0, max_batch=4), dict(address="b", running=1, queued=1, max_batch=4),
+               dict(address="c", running=4, queued=0, max_batch=4)]
+    assert choose(records, {}) == "b"
+    assert choose(records, {"b": 4}) == "a"  # what we routed since its last heartbeat counts too
+    assert choose(records, {"a": 4, "b": 4}) is None  # all full: the request queues
+
+
+@pytest.mark.parametrize("make", [MemoryStore, lambda: RedisStore("redis://127.0.0.1:6379/0")])
+async def test_store_registry_ttl_and_pending_queue(make):
+    store = make()
+    if isinstance(store, RedisStore):
+        await store.redis.delete("dspark:queue:pending")
+    await store.put_verifier("unit-v1", {"address": "x:1"}, ttl_s=0.3)
+    assert (await store.verifiers())["unit-v1"] == {"address": "x:1"}
+    await store.push_pending("r1")
+    await store.push_pending("r2")
+    await store.remove_pending("r1")
+    assert await store.pending_len() == 1
+    await store.remove_pending("r2")
+    import asyncio
+    await asyncio.sleep(0.4)
+    assert "unit-v1" not in await store.verifiers()  # the heartbeat TTL expired
+    await store.close()
+
+
+def _update(req, n, ctx, width, anchor=3, **kw):
+    return drafter_pb2.SequenceUpdate(request_id=req, tokens=list(range(5, 5 + n)), anchor_token=anchor,
+                                      context_len=ctx, hidden=tensor_to_proto(torch.randn(n, width).bfloat16()), **kw)
+
+
+def test_drafter_contexts_extend_roll_back_release_and_report_missing():
+    drafter = random_drafter(tiny_target(), "dspark", gamma=3)
+    width = len(drafter.ctx_layers) * drafter.cfg.hidden_size
+    keys = set()
+    reply = answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=1, sequences=[_update("a", 4, 0, width)]), width)
+    assert reply.step == 1 and len(reply.sequences[0].tokens) == 3 and drafter.context_len("1:a") == 4
+    # Roll back 2 rejected positions and append 1: 3 positions.
+    answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=2, sequences=[_update("a", 1, 2, width)]), width)
+    assert drafter.context_len("1:a") == 3
+    # The same id on another stream is another context; asking past what it holds: context_missing.
+    reply = answer(drafter, 2, set(), drafter_pb2.DraftRequest(step=1, sequences=[_update("a", 1, 3, width)]), width)
+    assert reply.sequences[0].context_missing
+    answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=3, sequences=[
+        drafter_pb2.SequenceUpdate(request_id="a", release=True)]), width)
+    assert drafter.context_len("1:a") == 0 and not keys
+    with pytest.raises(WireError):  # a bad sequence rejects the whole request before anything changes
+        answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=4, sequences=[
+            _update("b", 2, 0, width), _update("c", 2, 0, width + 1)]), width)
+    assert drafter.context_len("1:b") == 0
