@@ -98,7 +98,11 @@ class Engine:
         for b, (seq, tok) in enumerate(zip(seqs, tokens)):
             if self.capture_layers:
                 rows = batch.seq_rows(b)
-                seq.captured.append((out.features[rows].to(torch.bfloat16), out.hidden[rows].to(torch.bfloat16)))
+                # The full-vocabulary log-normaliser of the row that predicts the next token:
+                # trainers need it to turn a draft-vocabulary slice of the logits into probabilities.
+                lse = torch.full((rows.stop - rows.start,), float("nan"))
+                lse[-1] = torch.logsumexp(out.logits[b], dim=-1)
+                seq.captured.append((out.features[rows].to(torch.bfloat16), out.hidden[rows].to(torch.bfloat16), lse))
             seq.cached = len(seq.tokens)
             seq.append(tok, self.eos_ids)
             events.append((seq, [tok]))

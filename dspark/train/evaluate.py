@@ -101,7 +101,9 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     prompts = {d: [loaded.tokenizer.encode_chat([{"role": "user", "content": p}])
                    for p in load_eval_prompts(d, args.prompts_per_dataset)] for d in args.datasets}
-    results = {}
+    # Drafters can be evaluated in separate runs into one --out: results accumulate per drafter.
+    results_path = out / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
     total = len(args.drafters) * len(args.temperatures) * sum(len(p) for p in prompts.values()) * args.max_tokens
     bar = tqdm(total=total, desc="eval", unit="tok")
     reliability = {}
@@ -130,7 +132,7 @@ def main(argv=None):
                 reliability[f"{name} T={temperature} raw"] = prefix_survival_pairs(1 / (1 + np.exp(-z)), acc, ver)[:2]
                 if temps is not None:
                     reliability[f"{name} T={temperature} STS"] = prefix_survival_pairs(apply_sts(z, temps), acc, ver)[:2]
-        (out / "results.json").write_text(json.dumps(results, indent=1))
+        results_path.write_text(json.dumps(results, indent=1))
     bar.close()
     if reliability:
         plot_reliability(reliability, out / "reliability.png", title="Prefix survival: predicted vs observed")
@@ -148,7 +150,8 @@ def _print_and_plot(results: dict, args, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kinds = sorted({k.split("|")[0] for k in results})
+    kinds = sorted({k.split("|")[0] for k in results
+                    if all(f"{k.split('|')[0]}|{t}|{d}" in results for t in args.temperatures for d in args.datasets)})
     lines = []
     for t in args.temperatures:
         lines.append(f"\nAcceptance length tau (block verified in full), temperature {t}")

@@ -2,7 +2,8 @@
 
 The target's states are recorded while it generates (every token it is fed), so no second
 pass is needed. Output: sharded safetensors in the format of docs/drafter_format.md
-(tokens, loss_mask, features [N, m*d] bf16, final_hidden [N, d] bf16, offsets). Resumable:
+(tokens, loss_mask, features [N, m*d] bf16, final_hidden [N, d] bf16, target_lse [N] f32
+(NaN where no next-token logits were computed), offsets). Resumable:
 each shard lists the prompts it holds, and those are skipped on restart.
 
     python -m dspark.train.prepare --out data/smollm2 --num-prompts 1200
@@ -30,15 +31,18 @@ REFERENCE_SAMPLING = dict(temperature=0.7, top_p=0.8, top_k=20)
 
 def sequence_record(seq) -> dict[str, torch.Tensor]:
     """Flatten one finished sequence's captured states; the last token was never fed (zero row)."""
-    feats = torch.cat([f for f, _ in seq.captured])
-    hidden = torch.cat([h for _, h in seq.captured])
+    feats = torch.cat([f for f, _, _ in seq.captured])
+    hidden = torch.cat([h for _, h, _ in seq.captured])
+    lse = torch.cat([x for _, _, x in seq.captured])
     n = len(seq.tokens)
     pad = n - feats.shape[0]
     feats = torch.cat([feats, feats.new_zeros(pad, feats.shape[1])])
     hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
+    lse = torch.cat([lse, torch.full((pad,), float("nan"))])
     mask = torch.zeros(n, dtype=torch.uint8)
     mask[len(seq.prompt):] = 1
-    return dict(tokens=torch.tensor(seq.tokens, dtype=torch.long), loss_mask=mask, features=feats, final_hidden=hidden)
+    return dict(tokens=torch.tensor(seq.tokens, dtype=torch.long), loss_mask=mask, features=feats,
+                final_hidden=hidden, target_lse=lse)
 
 
 def write_shard(path: Path, records: list[dict]) -> int:
