@@ -4,12 +4,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from dspark.proto_gen.v1 import drafter_pb2, drafter_pb2_grpc
-from dspark.serving import metrics
+from dspark.serving import metrics, tracing
 from dspark.wire import WireError
 from drafter_svc.contexts import answer
 
@@ -44,12 +45,15 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         stream, keys = next(self._streams), set()
         try:
             async for request in request_iterator:
+                started = time.time_ns()
                 try:
                     response = await loop.run_in_executor(self.executor, answer, self.drafter, stream, keys,
                                                           request, self.width)
                 except WireError as error:
                     # Only this stream ends; its verifier reconnects and resends from scratch.
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                if tracing.enabled():
+                    record_draft_spans(request, response, stream, started, time.time_ns())
                 metrics.DRAFT_REQUESTS.inc()
                 metrics.DRAFTER_CONTEXTS.set(len(self.drafter.contexts._len))
                 yield response
@@ -61,3 +65,19 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         for key in list(keys):
             self.drafter.release(key)
         keys.clear()
+
+
+def record_draft_spans(request, response, stream: int, started_ns: int, ended_ns: int) -> None:
+    """One `drafter.draft` span per traced request of a batched draft call, under that request's
+    verifier step span (why per request: dspark/serving/tracing.py). All share the call's timing."""
+    missing = {s.request_id for s in response.sequences if s.context_missing}
+    drafted = [u for u in request.sequences if not u.release]
+    for update in drafted:
+        if not update.trace_context:
+            continue
+        span = tracing.tracer().start_span(
+            "drafter.draft", context=tracing.context_from(update.trace_context), start_time=started_ns,
+            attributes={"dspark.request_id": update.request_id, "dspark.draft.call": f"{stream}:{request.step}",
+                        "dspark.draft.batch_size": len(drafted), "dspark.draft.context_tokens": len(update.tokens),
+                        "dspark.draft.context_missing": update.request_id in missing})
+        span.end(end_time=ended_ns)

@@ -15,6 +15,9 @@ from dspark.k8s_discovery import make_discovery
 from dspark.proto_gen.v1 import generation_pb2_grpc, scheduler_pb2_grpc
 from dspark.serving.config import common_parser, env
 from dspark.serving.server import GrpcApp, setup_logging
+from scheduler_svc.calibration_store import make_calibration_store
+from scheduler_svc.capacity import CapacityPlanner
+from scheduler_svc.online_calibration import OnlineCalibrator
 from scheduler_svc.registry import Registry
 from scheduler_svc.service import GenerationService, Router, SchedulerService
 from scheduler_svc.store import make_store
@@ -35,6 +38,13 @@ def parse_args(argv=None):
     ap.add_argument("--heartbeat-ttl-s", type=float, default=3.0, help="a verifier silent this long is not routed to")
     ap.add_argument("--queue-timeout-s", type=float, default=60.0,
                     help="how long a request waits for a verifier with room before UNAVAILABLE")
+    ap.add_argument("--calibration-refit-reports", type=int,
+                    default=int(env("DSPARK_CALIBRATION_REFIT_REPORTS", 500)),
+                    help="refit the STS temperatures after this many step reports ...")
+    ap.add_argument("--calibration-refit-s", type=float, default=float(env("DSPARK_CALIBRATION_REFIT_S", 30)),
+                    help="... or after this many seconds with new reports, whichever comes first")
+    ap.add_argument("--calibration-min-samples", type=int, default=int(env("DSPARK_CALIBRATION_MIN_SAMPLES", 200)),
+                    help="decided outcomes at block position 1 needed before the first fit")
     return ap.parse_args(argv)
 
 
@@ -64,19 +74,27 @@ async def serve(args) -> None:
     store = make_store(args.redis_url)
     registry = Registry(store, ttl_s=args.heartbeat_ttl_s)
     router = Router(registry, args.max_message_mb, args.queue_timeout_s)
+    calibrator = OnlineCalibrator(make_calibration_store(store), args.calibration_refit_reports,
+                                  args.calibration_refit_s, args.calibration_min_samples)
     app = GrpcApp("scheduler", args, [
         (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(router), "dspark.v1.Generation"),
-        (scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerService(registry), "dspark.v1.Scheduler"),
+        (scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerService(registry, CapacityPlanner(), calibrator), "dspark.v1.Scheduler"),
     ])
     await app.start()
     stop = threading.Event()
     start_discovery(args, registry, stop)
     refresher = asyncio.get_running_loop().create_task(refresh_loop(registry))
+    calibrating = asyncio.get_running_loop().create_task(calibrator.run())
 
     async def close() -> None:
         stop.set()
         refresher.cancel()
+        calibrating.cancel()
         await router.close()
+        try:
+            await calibrator.flush()  # the last reports' counts
+        except Exception as error:
+            log.warning("calibration counts not flushed: %s", error)
         await store.close()
 
     app.on_shutdown.append(close)

@@ -13,12 +13,17 @@ import time
 import uuid
 
 import grpc
+import numpy as np
+import torch
 
 from dspark.proto_gen.v1 import (generation_pb2 as pb, generation_pb2_grpc, load_pb2, scheduler_pb2_grpc,
                                  verifier_pb2, verifier_pb2_grpc)
-from dspark.serving import metrics
+from dspark.serving import metrics, tracing
 from dspark.serving.config import aio_channel
 from dspark.serving.requests import RequestError, check_request
+from dspark.wire import WireError, tensor_from_proto
+from scheduler_svc.capacity import CapacityPlanner
+from scheduler_svc.online_calibration import OnlineCalibrator
 from scheduler_svc.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -85,6 +90,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.router, self.registry, self.max_resumes = router, router.registry, max_resumes
 
     async def Generate(self, request, context):
+        with tracing.server_span("scheduler.generate", context, {"dspark.request_id": request.request_id}) as span:
+            async for chunk in self._generate(request, context, span):
+                yield chunk
+
+    async def _generate(self, request, context, span):
         models = self.registry.models()
         try:
             check_request(request, (models | {"default"}) if models else None)
@@ -92,6 +102,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await context.abort(error.code, error.message)
         request = pb.GenerateRequest.FromString(request.SerializeToString())
         request.request_id = request.request_id or uuid.uuid4().hex
+        span.set_attribute("dspark.request_id", request.request_id)
         streamed: list[int] = []
         text: list[str] = []
         lost = 0
@@ -108,7 +119,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             if lost:
                 routed.resume.streamed_token_ids.extend(streamed)
                 routed.resume.streamed_text = "".join(text)
-            call = self.router.stub(address).Generate(routed)
+            span.set_attribute("dspark.verifier", address)
+            call = self.router.stub(address).Generate(routed, metadata=tracing.metadata(span))
             try:
                 async for chunk in self._relay(call, streamed, text, has_peer=lambda: len(self.registry.live()) > 1):
                     yield chunk
@@ -131,6 +143,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             lost += 1
             self.registry.mark_dead(address)
             metrics.RESUMED.inc()
+            span.add_event("resume", {"dspark.lost_verifier": address, "dspark.streamed_tokens": len(streamed),
+                                      "dspark.reason": why})
             log.warning("request %s lost verifier %s after %d tokens (%s); resuming elsewhere",
                         request.request_id, address, len(streamed), why)
             if lost > self.max_resumes:
@@ -167,17 +181,34 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 def record_from_load(load: load_pb2.VerifierLoad) -> dict:
     return dict(verifier_id=load.verifier_id, running=load.running, queued=load.queued, kv_use=load.kv_use,
                 capacity=load.capacity, max_batch=load.max_batch, max_context_tokens=load.max_context_tokens,
-                model=load.model)
+                model=load.model, sps=[[p.batch_tokens, p.steps_per_sec] for p in load.sps],
+                calibration_version=load.calibration_version)
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     """Verifiers report here. Answers come back at once: the store is written in the background."""
 
-    def __init__(self, registry: Registry):
+    def __init__(self, registry: Registry, planner: CapacityPlanner | None = None,
+                 calibrator: OnlineCalibrator | None = None):
         self.registry = registry
+        self.planner = planner or CapacityPlanner()
+        self.calibrator = calibrator
 
-    def _capacity(self):
-        return load_pb2.Capacity(k=0)  # 0 = no decision: verifiers keep their own K (two-step rule: later)
+    def _capacity(self, verifier_id: str, drafter_version: str = "") -> load_pb2.Capacity:
+        """K by the two-step rule once this verifier reported confidences (decided=False: keep
+        yours), and the newest temperatures of its drafter version."""
+        k = self.planner.k.get(verifier_id)
+        capacity = load_pb2.Capacity(k=k or 0, decided=k is not None)
+        if not drafter_version:
+            drafter_version = (self.registry.by_id(verifier_id) or {}).get("drafter_version", "")
+        calibration = self.calibrator.calibration(drafter_version) if self.calibrator and drafter_version else None
+        if calibration is not None:
+            capacity.calibration.CopyFrom(calibration)
+        return capacity
+
+    def _temperatures(self, drafter_version: str):
+        fit = self.calibrator.fits.get(drafter_version) if self.calibrator else None
+        return None if fit is None else fit.temperatures
 
     async def RegisterVerifier(self, request, context):
         if not request.address or not request.load.verifier_id:
@@ -187,19 +218,43 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                       drafter_kind=request.drafter_kind, drafter_version=request.drafter_version, gamma=request.gamma)
         self.registry.revive(request.address)
         self.registry.heartbeat(record)
+        self.planner.forget(record["verifier_id"])
         log.info("verifier %s registered at %s (%s)", record["verifier_id"], request.address, record["model"])
-        return self._capacity()
+        return self._capacity(record["verifier_id"], request.drafter_version)
 
     async def Heartbeat(self, request, context):
         known = self.registry.by_id(request.load.verifier_id)
         if known is None:  # we lost it (restart with an empty store): make it register again
             await context.abort(grpc.StatusCode.NOT_FOUND, "unknown verifier: register first")
         self.registry.heartbeat(dict(known, **record_from_load(request.load)))
-        return self._capacity()
+        return self._capacity(request.load.verifier_id)
 
     async def ReportStep(self, request, context):
         if request.verified_len:
             counts = {"steps": 1, "drafts": len(request.verified_len), "verified": sum(request.verified_len),
                       "accepted": sum(request.accepted_len)}
             self.registry.background(self.registry.store.add_outcomes(request.drafter_version or "none", counts))
-        return self._capacity()
+        if request.HasField("confidence_logits"):
+            try:
+                conf = step_confidences(request)
+            except WireError as error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"confidence_logits: {error}")
+            if self.calibrator is not None and request.drafter_version and request.verified_len:
+                self.calibrator.add(request.drafter_version, conf, request.accepted_len, request.verified_len)
+            known = self.registry.by_id(request.verifier_id) or {}
+            self.planner.on_report(request.verifier_id, request.step, conf,
+                                   self._temperatures(request.drafter_version), known.get("sps", []))
+        return self._capacity(request.verifier_id, request.drafter_version)
+
+
+def step_confidences(request) -> np.ndarray:
+    """StepReport.confidence_logits as float64 [R, gamma], checked against its length lists."""
+    rows = len(request.verified_len)
+    conf = tensor_from_proto(request.confidence_logits, torch.float32, (rows, None)).double().numpy()
+    if len(request.accepted_len) != rows:
+        raise WireError(f"{len(request.accepted_len)} accepted_len for {rows} verified_len")
+    if any(a > v or v > conf.shape[1] for a, v in zip(request.accepted_len, request.verified_len)):
+        raise WireError("need accepted_len <= verified_len <= gamma per row")
+    if not np.all(np.isfinite(conf)):
+        raise WireError("confidence logits must be finite")
+    return conf

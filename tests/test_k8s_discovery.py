@@ -271,3 +271,47 @@ def test_static_discovery():
         make_discovery("dns")
     with pytest.raises(ValueError):
         KubernetesDiscovery(NS, source="pods", api_client=object())
+
+
+@pytest.mark.slow
+def test_scheduler_routes_only_to_verifier_pods_discovery_reports_ready(api, tmp_path, monkeypatch):
+    """scheduler_svc --discovery=kubernetes, reaching this API server through a kubeconfig: a
+    registered verifier gets traffic only once its pod is Ready."""
+    from dspark_client import Client, RetryPolicy
+    from service_helpers import free_port, start_scheduler, start_verifier, wait_serving, wait_until, write_tiny_target
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({  # JSON is YAML
+        "apiVersion": "v1", "kind": "Config", "current-context": "test",
+        "clusters": [{"name": "fake", "cluster": {"server": api.client.configuration.host}}],
+        "users": [{"name": "nobody", "user": {}}],
+        "contexts": [{"name": "test", "context": {"cluster": "fake", "user": "nobody", "namespace": NS}}]}))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a cluster: use the kubeconfig
+    target = str(write_tiny_target(tmp_path / "tiny"))
+    v_port = free_port()
+    api.put("pods", pod("verifier-0", ip="127.0.0.1", ready=False))  # still loading, as far as Kubernetes knows
+    services = []
+    try:
+        scheduler, s_addr = start_scheduler(tmp_path, [], discovery="kubernetes", namespace=NS,
+                                            verifier_selector=VERIFIER_SELECTOR, verifier_port=v_port,
+                                            queue_timeout_s=1)
+        services.append(scheduler)
+        verifier, v_addr = start_verifier(target, tmp_path, "", s_addr, port=v_port)
+        services.append(verifier)
+        wait_serving(s_addr, scheduler, timeout=120)
+        wait_serving(v_addr, verifier, timeout=120)
+        with Client(s_addr, timeout=30, retry=RetryPolicy(max_attempts=1)) as c:
+            # Registered and heartbeating, but its pod is not Ready: not routed to.
+            wait_until(lambda: "registered at 127.0.0.1:%d" % v_port in scheduler.log(), 30, what="registration")
+            time.sleep(1.0)
+            assert c.list_models() == []
+            assert any("labelSelector=" in r for r in api.requests)
+            api.put("pods", pod("verifier-0", ip="127.0.0.1", ready=True))
+            wait_until(lambda: c.list_models(), 30, interval=0.2, what="verifier routed to once Ready")
+            assert len(c.generate(token_ids=[5, 9, 30], max_tokens=8).token_ids) == 8
+            api.delete("pods", NS, "verifier-0")  # scaled down: no longer routed to
+            wait_until(lambda: c.list_models() == [], 30, interval=0.2, what="verifier dropped with its pod")
+    finally:
+        for service in services:
+            service.kill()

@@ -15,15 +15,16 @@ import torch
 
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.proto_gen.v1 import generation_pb2_grpc, scheduler_pb2, verifier_pb2_grpc
-from dspark.serving import metrics
+from dspark.serving import metrics, tracing
 from dspark.serving.config import common_parser, env
 from dspark.serving.server import GrpcApp, setup_logging
 from dspark.spec.engine import SpecEngine
-from dspark.spec.policy import FixedK
+from verifier_svc.capacity_control import CapacityControl
 from verifier_svc.remote_drafter import RemoteDrafter
 from verifier_svc.reporter import SchedulerReporter, make_load
 from verifier_svc.runner import EngineRunner
 from verifier_svc.service import GenerationService, VerifierCore, VerifierService
+from verifier_svc.step_spans import StepSpans
 
 log = logging.getLogger("verifier_svc")
 
@@ -43,6 +44,16 @@ def parse_args(argv=None):
     ap.add_argument("--max-len", type=int, default=int(env("DSPARK_MAX_LEN", 2048)))
     ap.add_argument("--k", type=int, default=int(env("DSPARK_K", -1)),
                     help="draft tokens verified per request per step (default: the drafter's block size)")
+    ap.add_argument("--explore", type=float, default=float(env("DSPARK_EXPLORE", 0.05)),
+                    help="share of requests that verify their whole block anyway (labels for low-confidence tails)")
+    ap.add_argument("--capacity-ttl-steps", type=int, default=int(env("DSPARK_CAPACITY_TTL_STEPS", 100)),
+                    help="the scheduler's last K stays in force this many steps without a fresh one ...")
+    ap.add_argument("--capacity-ttl-s", type=float, default=float(env("DSPARK_CAPACITY_TTL_S", 5)),
+                    help="... and this many seconds (both must pass), then the static default --k applies")
+    ap.add_argument("--sps-warmup-s", type=float, default=float(env("DSPARK_SPS_WARMUP_S", 10)),
+                    help="time budget of the SPS warm-up profile before serving (0 = none: live steps only)")
+    ap.add_argument("--report-interval-s", type=float, default=float(env("DSPARK_REPORT_INTERVAL_S", 0.5)),
+                    help="how often load and step reports go to the scheduler")
     ap.add_argument("--default-max-tokens", type=int, default=int(env("DSPARK_DEFAULT_MAX_TOKENS", 256)))
     ap.add_argument("--drafter-timeout-s", type=float, default=float(env("DSPARK_DRAFTER_TIMEOUT_S", 2.0)),
                     help="deadline of one draft round trip; past it the step runs as plain decoding")
@@ -56,17 +67,14 @@ def parse_args(argv=None):
 
 async def serve(args) -> None:
     core = VerifierCore(args.default_max_tokens)
-    state = {}
+    control = CapacityControl(args.explore, args.capacity_ttl_steps, args.capacity_ttl_s, args.sps_warmup_s)
 
     def load_fn():
-        k = state["engine"].policy.k if "engine" in state else 0
-        return make_load(args.verifier_id, core.runner, args.max_batch, args.max_len, core.model_name, k)
+        return control.fill_load(make_load(args.verifier_id, core.runner, args.max_batch, args.max_len,
+                                           core.model_name, 0))
 
-    def set_capacity(capacity) -> None:
-        # k = 0 means "no decision yet": keep what is in force (the scheduler's rule comes later).
-        if capacity.k and "engine" in state and state["drafter"] is not None:
-            state["engine"].policy.k = min(int(capacity.k), state["drafter"].gamma)
-            metrics.CAPACITY_K.set(state["engine"].policy.k)
+    def set_capacity(capacity) -> None:  # Capacity replies and SetCapacity pushes: K and temperatures
+        control.apply(capacity)
 
     app = GrpcApp("verifier", args, [
         (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(core), "dspark.v1.Generation"),
@@ -85,21 +93,24 @@ async def serve(args) -> None:
             log.error("no drafter at %s after %.0f s: serving with plain decoding", args.drafter_addr,
                       args.drafter_wait_s)
     k = (args.k if args.k >= 0 else drafter.gamma) if drafter is not None else 0
-    engine = SpecEngine(loaded.model, drafter, FixedK(k), max_batch=args.max_batch, max_len=args.max_len)
-    state.update(engine=engine, drafter=drafter)
-    metrics.CAPACITY_K.set(k)
+    engine = SpecEngine(loaded.model, drafter, control.make_policy(drafter, k), max_batch=args.max_batch,
+                        max_len=args.max_len)
+    await control.warmup(engine, args.max_batch)
+    metrics.CAPACITY_K.set(control.k_in_force)
 
     reporter = None
     if args.scheduler_addr:
         register = scheduler_pb2.RegisterVerifierRequest(
             address=args.advertise_addr, model=loaded.name, drafter_kind=drafter.kind if drafter else "",
             drafter_version=drafter.version if drafter else "", gamma=drafter.gamma if drafter else 0)
-        reporter = SchedulerReporter(args.scheduler_addr, register, load_fn, set_capacity)
+        reporter = SchedulerReporter(args.scheduler_addr, register, load_fn, set_capacity,
+                                     interval_s=args.report_interval_s)
 
     def on_step(report) -> None:  # engine thread: cheap bookkeeping only
         metrics.STEP_LATENCY.labels(metrics.batch_tokens_bucket(report.batch_tokens)).observe(report.seconds)
-        if report.verified:
-            metrics.NUM_DRAFTS.inc(len(report.verified))
+        control.on_step(report)
+        if report.verified:  # every request that had drafts, verified or not (0)
+            metrics.NUM_DRAFTS.inc(sum(1 for n in report.verified if n))
             metrics.NUM_DRAFT_TOKENS.inc(sum(report.verified))
             metrics.NUM_ACCEPTED.inc(sum(report.accepted))
             for n in report.accepted:
@@ -109,6 +120,10 @@ async def serve(args) -> None:
             reporter.on_step(report, drafter.version if drafter else "")
 
     runner = EngineRunner(engine, on_step)
+    if tracing.enabled():  # per-step spans, and their context sent along with each draft call
+        runner.step_spans = StepSpans()
+        if drafter is not None:
+            drafter.trace_context = runner.step_spans.carrier
     core.tokenizer, core.model_name, core.max_len = loaded.tokenizer, loaded.name, args.max_len
     core.vocab_size = loaded.model.config.vocab_size
     core.drafter_info = drafter.info if drafter is not None else None

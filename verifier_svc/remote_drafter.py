@@ -81,6 +81,7 @@ class RemoteDrafter:
         self._sent: set[str] = set()  # requests the drafter on the current link may hold
         self._step = 0
         self.last_bytes = 0  # both directions, last draft() call
+        self.trace_context = None  # req_id -> {"traceparent": ...} of its step span (tracing on)
         self.total_bytes = 0
 
     # ---- connection ------------------------------------------------------------------------
@@ -211,6 +212,8 @@ class RemoteDrafter:
             seed = getattr(generators[i], "initial_seed", None) if generators[i] is not None else None
             if seed is not None:
                 update.seed = seed()
+            if self.trace_context is not None:
+                update.trace_context.update(self.trace_context(req_id))
             sent_len[req_id] = pending.length
             self._sent.add(req_id)
         link.requests.put(request)

@@ -70,8 +70,9 @@ class SchedulerReporter:
                 self.on_capacity(capacity)
                 batch = [self.reports.popleft() for _ in range(len(self.reports))]
                 if batch:
-                    await asyncio.gather(*(self.stub.ReportStep(self._step_proto(*item), timeout=1.0)
-                                           for item in batch))
+                    replies = await asyncio.gather(*(self.stub.ReportStep(self._step_proto(*item), timeout=1.0)
+                                                     for item in batch))
+                    self.on_capacity(replies[-1])  # K from the newest confidences, newest temperatures
             except grpc.aio.AioRpcError as error:
                 if registered:
                     log.warning("scheduler at %s unreachable (%s); still serving", self.address, error.code().name)

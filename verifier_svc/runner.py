@@ -38,6 +38,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq: object = None
+    span: object = None  # the request's trace span when tracing is on
 
     def deliver(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -50,6 +51,7 @@ class EngineRunner:
         self._jobs: dict[str, Job] = {}
         self._stop = threading.Event()
         self.inbox_size = 0  # submitted, not yet in the engine (read by load reports)
+        self.step_spans = None  # verifier_svc.step_spans.StepSpans when tracing is on
         self.thread = threading.Thread(target=self._run, daemon=True, name="engine")
 
     def start(self) -> None:
@@ -86,21 +88,30 @@ class EngineRunner:
             self._drain(block=not self.engine.has_work())
             if not self.engine.has_work():
                 continue
+            spans = self.step_spans
+            if spans is not None:
+                spans.begin([self._jobs.get(s.req_id) for s in self.engine.running])
             try:
                 events = self.engine.step()
             except Exception as error:  # a bug or OOM: fail what is running, keep serving
                 log.exception("engine step failed")
+                if spans is not None:
+                    spans.end([], None, error=str(error))
                 self._fail_all(f"engine step failed: {error}")
                 continue
+            stepped = []  # (job, new tokens), for the step spans
             for seq, tokens in events:
                 job = self._jobs.get(seq.req_id)
                 if job is None:
                     continue
+                stepped.append((job, tokens))
                 if seq.done:
                     del self._jobs[seq.req_id]
                     job.deliver(Event(tokens, seq.finish.value, seq.metrics))
                 elif tokens:
                     job.deliver(Event(tokens))
+            if spans is not None:
+                spans.end(stepped, self.engine.last_report)
             if self.on_step is not None:
                 self.on_step(self.engine.last_report)
 

@@ -14,7 +14,7 @@ import uuid
 import grpc
 
 from dspark.proto_gen.v1 import (generation_pb2 as pb, generation_pb2_grpc, verifier_pb2, verifier_pb2_grpc)
-from dspark.serving import metrics
+from dspark.serving import metrics, tracing
 from dspark.serving.requests import (RequestError, check_prompt_fits, check_request, check_token_ids,
                                      sampling_params)
 from dspark.serving.textstream import TextStream
@@ -76,6 +76,12 @@ class VerifierCore:
         return self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages.messages])
 
     async def generate(self, request: pb.GenerateRequest, resume: verifier_pb2.ResumeInfo | None, context):
+        with tracing.server_span("verifier.generate", context,
+                                 {"dspark.request_id": request.request_id, "dspark.resumed": resume is not None}) as span:
+            async for chunk in self._generate(request, resume, context, span):
+                yield chunk
+
+    async def _generate(self, request: pb.GenerateRequest, resume: verifier_pb2.ResumeInfo | None, context, span):
         if not self.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
         started = time.perf_counter()
@@ -101,6 +107,10 @@ class VerifierCore:
         spec = request.speculation
         max_draft = 0 if spec.disable else (spec.max_draft_tokens or None)
         job = Job(req_id, prompt + streamed, params, max_draft, asyncio.get_running_loop())
+        if span.is_recording():
+            job.span = span  # the engine thread hangs this request's step spans under it
+            span.set_attributes({"dspark.request_id": req_id, "dspark.prompt_tokens": len(prompt),
+                                 "dspark.resumed_tokens": len(streamed), "dspark.max_tokens": params.max_tokens})
         text = TextStream(self.tokenizer.decode, list(request.stop), streamed,
                           resume.streamed_text if resume is not None else "")
         offset, done = len(streamed), False
@@ -122,6 +132,10 @@ class VerifierCore:
                     chunk.metrics.CopyFrom(metrics_proto(event.metrics or job.seq.metrics, len(prompt),
                                                          offset, prior))
                     metrics.REQUEST_LATENCY.observe(time.perf_counter() - started)
+                    span.set_attributes({"dspark.generated_tokens": offset,
+                                         "dspark.finish_reason": pb.FinishReason.Name(chunk.finish_reason),
+                                         "dspark.draft_tokens": chunk.metrics.draft_tokens,
+                                         "dspark.accepted_tokens": chunk.metrics.accepted_tokens})
                 yield chunk
         finally:
             if not done:  # the caller went away: free the slot now

@@ -11,6 +11,7 @@ from .proto_gen.v1 import generation_pb2 as pb
 from .proto_gen.v1 import generation_pb2_grpc
 from .request import build_request
 from .retry import Deadline, RetryPolicy, retry_delay
+from .tracing import current_trace_metadata
 from .types import Chunk, GenerationResult, collect
 
 Metadata = Sequence[tuple[str, str]]
@@ -45,7 +46,10 @@ class AsyncClient:
         while True:
             attempt += 1
             tokens = 0
-            call = self._stub.Generate(request, timeout=deadline.remaining(), metadata=self.metadata + tuple(metadata))
+            # The caller's current span (if any) parents the servers' spans; metadata passed by
+            # hand comes last, so its traceparent wins.
+            call_metadata = current_trace_metadata() + self.metadata + tuple(metadata)
+            call = self._stub.Generate(request, timeout=deadline.remaining(), metadata=call_metadata)
             try:
                 async for message in call:
                     tokens += len(message.token_ids)

@@ -29,7 +29,42 @@ def common_parser(description: str, port: int) -> argparse.ArgumentParser:
     ap.add_argument("--grace-s", type=float, default=float(env("DSPARK_GRACE_S", 30)),
                     help="on SIGTERM: seconds in-flight requests get to finish")
     ap.add_argument("--log-level", default=env("DSPARK_LOG_LEVEL", "INFO"))
+    tls = ap.add_argument_group("TLS", "files in PEM; the flags override the DSPARK_TLS_* environment")
+    tls.add_argument("--tls-cert", default=env("DSPARK_TLS_CERT", ""), help="certificate (server and client)")
+    tls.add_argument("--tls-key", default=env("DSPARK_TLS_KEY", ""), help="its private key")
+    tls.add_argument("--tls-ca", default=env("DSPARK_TLS_CA", ""), help="CA that peers' certificates must chain to")
+    tls.add_argument("--tls-mutual", default=env("DSPARK_TLS_MUTUAL", "0"),
+                     help="1: require and verify client certificates; present ours to peers")
+    tls.add_argument("--tls-server-name", default=env("DSPARK_TLS_SERVER_NAME", ""),
+                     help="name to verify in peers' certificates (peers are dialled by IP)")
     return ap
+
+
+TLS_FLAGS = {"tls_cert": "DSPARK_TLS_CERT", "tls_key": "DSPARK_TLS_KEY", "tls_ca": "DSPARK_TLS_CA",
+             "tls_mutual": "DSPARK_TLS_MUTUAL", "tls_server_name": "DSPARK_TLS_SERVER_NAME"}
+
+
+def apply_tls(args) -> None:
+    """Make the TLS flags the process's settings and check them (SystemExit with the reason).
+
+    The flags are written back into the environment because channels to peers are opened in
+    several places (drafter link, scheduler reports, routing) and all read it from there."""
+    for attr, name in TLS_FLAGS.items():
+        value = getattr(args, attr, None)
+        if value:
+            os.environ[name] = str(value)
+    cert, key, ca = env("DSPARK_TLS_CERT"), env("DSPARK_TLS_KEY"), env("DSPARK_TLS_CA")
+    if bool(cert) != bool(key):
+        raise SystemExit("TLS: --tls-cert and --tls-key (DSPARK_TLS_CERT/KEY) go together")
+    if mutual_tls() and not (cert and ca):
+        raise SystemExit("mutual TLS needs a certificate, its key and the CA to verify peers with")
+    for path in filter(None, (cert, key, ca)):
+        if not Path(path).is_file():
+            raise SystemExit(f"TLS: no such file {path}")
+
+
+def mutual_tls() -> bool:
+    return str(env("DSPARK_TLS_MUTUAL", "0")).lower() in ("1", "true", "yes")
 
 
 def message_options(max_message_mb: float) -> list[tuple[str, int]]:
@@ -48,17 +83,19 @@ def server_credentials() -> grpc.ServerCredentials | None:
     cert, key = _read("DSPARK_TLS_CERT"), _read("DSPARK_TLS_KEY")
     if not cert or not key:
         return None
-    mutual = env("DSPARK_TLS_MUTUAL", "0") in ("1", "true", "yes")
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=_read("DSPARK_TLS_CA"),
-                                       require_client_auth=mutual)
+                                       require_client_auth=mutual_tls())
 
 
 def channel_credentials() -> tuple[grpc.ChannelCredentials | None, list[tuple[str, str]]]:
-    """Credentials for calls to peers, plus the server-name override (peers are dialled by IP)."""
+    """Credentials for calls to peers, plus the server-name override (peers are dialled by IP).
+
+    TLS as soon as a CA or a certificate is configured (our servers then speak TLS too); no CA
+    means the system's roots. With mutual TLS our certificate goes along as the client's."""
     ca = _read("DSPARK_TLS_CA")
-    if not ca:
+    if not ca and not env("DSPARK_TLS_CERT"):
         return None, []
-    mutual = env("DSPARK_TLS_MUTUAL", "0") in ("1", "true", "yes")
+    mutual = mutual_tls()
     creds = grpc.ssl_channel_credentials(ca, _read("DSPARK_TLS_KEY") if mutual else None,
                                          _read("DSPARK_TLS_CERT") if mutual else None)
     name = env("DSPARK_TLS_SERVER_NAME")

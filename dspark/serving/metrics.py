@@ -14,7 +14,13 @@ STEP_LATENCY = Histogram("dspark_step_latency_seconds", "Verifier step latency",
                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 REQUEST_LATENCY = Histogram("dspark_request_latency_seconds", "Request latency, first byte in to last chunk out",
                             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250))
-CAPACITY_K = Gauge("dspark_capacity_k", "Draft tokens per request per step in force")
+CAPACITY_K = Gauge("dspark_capacity_k", "Capacity K in force: draft tokens the next step may verify, whole batch "
+                   "(confidence-scheduled) or per request (fixed K)")
+CAPACITY_FROM_SCHEDULER = Gauge("dspark_capacity_from_scheduler",
+                                "1 while the scheduler's K is in force, 0 on the static default (--k)")
+VERIFIED_PER_REQUEST = Histogram("dspark_verified_tokens_per_request", "Draft tokens verified per request per step",
+                                 buckets=(0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16))
+SPS_POINTS = Gauge("dspark_sps_table_points", "Batch-token counts with a measured step time in the SPS table")
 DRAFTER_LINK_BYTES = Counter("dspark_drafter_link_bytes", "Bytes on the verifier-drafter link", ["direction"])
 DRAFTER_LINK_BYTES_PER_STEP = Histogram("dspark_drafter_link_bytes_per_step", "Bytes per step on the drafter link",
                                         buckets=(1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8))
@@ -25,6 +31,13 @@ DRAFTER_CONTEXTS = Gauge("dspark_drafter_contexts", "Request contexts held by th
 # Scheduler.
 QUEUE_DEPTH = Gauge("dspark_queue_depth", "Requests waiting for a verifier with room")
 RESUMED = Counter("dspark_resumed_requests", "Requests resumed on another verifier after losing theirs")
+SCHEDULED_K = Gauge("dspark_scheduled_capacity_k", "Capacity K last computed for a verifier (two-step rule)",
+                    ["verifier_id"])
+CALIBRATION_ECE = Gauge("dspark_calibration_ece", "Online calibration: ECE of the calibrated per-token confidence "
+                        "at each block position (1-based), from the accumulated statistics", ["position"])
+CALIBRATION_VERSION = Gauge("dspark_calibration_version", "Version of the newest STS temperatures",
+                            ["drafter_version"])
+CALIBRATION_REPORTS = Counter("dspark_calibration_reports", "Step reports folded into the online calibration")
 
 
 def batch_tokens_bucket(tokens: int) -> str:

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from dspark.serving import config
+from dspark.serving import config, otlp_metrics, tracing
 from dspark.serving.metrics import start_metrics_server
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ class GrpcApp:
     def __init__(self, name: str, args, services: list[tuple]):
         """services: (add_XServicer_to_server, servicer, full service name) triples."""
         self.name, self.args, self.services = name, args, services
+        config.apply_tls(args)
         self.health = [HealthServicer()]
         self.server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None
@@ -44,6 +45,9 @@ class GrpcApp:
         self.on_shutdown = []  # async callables run after the drain (close channels, stores)
 
     async def start(self) -> None:
+        # Exporters from the environment (docs/deploy.md): OTLP traces and metrics, test span files.
+        tracing.setup(self.name)
+        self.meter_provider = otlp_metrics.setup(tracing.service_name(self.name))
         options = config.message_options(self.args.max_message_mb)
         self.server = grpc.aio.server(options=options)
         names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]

@@ -34,7 +34,9 @@ class StepReport:
     batch_tokens: int = 0
     seconds: float = 0.0
     draft_seconds: float = 0.0
-    req_ids: list[str] = field(default_factory=list)  # requests that had drafts this step
+    # Requests that had a draft block this step, verified or not (verified may be 0): the
+    # capacity rule needs the confidences of the whole batch, calibration only the verified.
+    req_ids: list[str] = field(default_factory=list)
     conf_logits: torch.Tensor | None = None  # [R, gamma] raw confidences of those drafts
     verified: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
@@ -157,7 +159,7 @@ class SpecEngine(Engine):
                     break
             if i >= len(admitted):
                 seq.metrics.record(lens[i], n_acc, len(new))
-                if lens[i]:
+                if block is not None:
                     report.req_ids.append(seq.req_id)
                     report.verified.append(lens[i])
                     report.accepted.append(n_acc)
@@ -165,8 +167,7 @@ class SpecEngine(Engine):
             if seq.done:
                 self._release(seq)
         if block is not None and block.conf_logits is not None and report.req_ids:
-            keep = [i for i, n in enumerate(lens[len(admitted):]) if n]
-            report.conf_logits = block.conf_logits[keep]
+            report.conf_logits = block.conf_logits
         report.seconds = time.perf_counter() - t0
         self.last_report = report
         return events

@@ -8,7 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("request_id", "hidden", "tokens", "anchor_token", "context_len", "temperature", "release", "seed")
+    __slots__ = ("request_id", "hidden", "tokens", "anchor_token", "context_len", "temperature", "release", "seed", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +24,7 @@ class SequenceUpdate(_message.Message):
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     hidden: _tensor_pb2.Tensor
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -25,7 +33,8 @@ class SequenceUpdate(_message.Message):
     temperature: float
     release: bool
     seed: int
-    def __init__(self, request_id: _Optional[str] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., anchor_token: _Optional[int] = ..., context_len: _Optional[int] = ..., temperature: _Optional[float] = ..., release: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., anchor_token: _Optional[int] = ..., context_len: _Optional[int] = ..., temperature: _Optional[float] = ..., release: _Optional[bool] = ..., seed: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("step", "sequences")

@@ -50,9 +50,11 @@ class Calibration(_message.Message):
     def __init__(self, drafter_version: _Optional[str] = ..., version: _Optional[int] = ..., temperatures: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class Capacity(_message.Message):
-    __slots__ = ("k", "calibration")
+    __slots__ = ("k", "calibration", "decided")
     K_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_FIELD_NUMBER: _ClassVar[int]
     k: int
     calibration: Calibration
-    def __init__(self, k: _Optional[int] = ..., calibration: _Optional[_Union[Calibration, _Mapping]] = ...) -> None: ...
+    decided: bool
+    def __init__(self, k: _Optional[int] = ..., calibration: _Optional[_Union[Calibration, _Mapping]] = ..., decided: _Optional[bool] = ...) -> None: ...

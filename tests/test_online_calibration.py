@@ -1,0 +1,203 @@
+"""Online STS through the scheduler service: synthetic step reports over gRPC to two real
+scheduler processes sharing a real Redis.
+
+Confidence logits come from a known over-confident model (test_calibration.overconfident_traffic:
+true survival sigmoid(t), reported logit 2.5 t) with outcomes sampled from the true model.
+The schedulers bin them into Redis, refit, and hand temperatures back in their Capacity
+replies; the fit must calibrate as well as the offline fit_sts on the same traffic.
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+
+from dspark.proto_gen.v1 import load_pb2, scheduler_pb2, scheduler_pb2_grpc
+from dspark.sched.calibration import OnlineCalibrationStats, apply_sts, fit_sts, sigmoid
+from dspark.sched.metrics import per_position_calibration
+from scheduler_svc.calibration_store import bins_key, sts_key
+from scheduler_svc.capacity import capacity_for, sps_table
+from service_helpers import RedisServer, free_port, start_scheduler, wait_serving, wait_until
+from test_calibration import GAMMA, overconfident_traffic
+
+pytestmark = pytest.mark.slow
+VERSION = "synthetic-dspark-v1"
+ROWS = 16  # blocks per step report
+SPS = [(1, 100.0), (2, 99.0), (4, 97.0), (8, 90.0), (16, 80.0), (32, 60.0), (64, 35.0), (128, 18.0)]
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = RedisServer().start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def schedulers(redis_server, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    started = []
+    for _ in range(2):
+        metrics_port = free_port()
+        service, address = start_scheduler(logs, [], redis_url=redis_server.url, metrics_port=metrics_port,
+                                           calibration_refit_reports=100000, calibration_refit_s=1,
+                                           calibration_min_samples=200)
+        started.append((service, address, metrics_port))
+    try:
+        for service, address, _ in started:
+            wait_serving(address, service, timeout=120)
+        yield [(address, metrics_port) for _, address, metrics_port in started]
+    finally:
+        for service, _, _ in started:
+            service.kill()
+
+
+def load(verifier_id: str) -> load_pb2.VerifierLoad:
+    return load_pb2.VerifierLoad(verifier_id=verifier_id, max_batch=16, model="synthetic",
+                                 sps=[load_pb2.SpsPoint(batch_tokens=b, steps_per_sec=s) for b, s in SPS])
+
+
+def register(stub, verifier_id: str) -> load_pb2.Capacity:
+    return stub.RegisterVerifier(scheduler_pb2.RegisterVerifierRequest(
+        address="127.0.0.1:9", model="synthetic", drafter_kind="dspark", drafter_version=VERSION, gamma=GAMMA,
+        load=load(verifier_id)), timeout=5)
+
+
+def report(verifier_id: str, step: int, logits: np.ndarray, accepted, verified) -> scheduler_pb2.StepReport:
+    from dspark.proto_gen.v1 import tensor_pb2
+
+    logits = np.ascontiguousarray(logits, dtype="<f4")
+    return scheduler_pb2.StepReport(
+        verifier_id=verifier_id, step=step, batch_size=len(logits), batch_tokens=int(len(logits) + np.sum(verified)),
+        step_latency_s=0.01, drafter_version=VERSION, verified_len=[int(v) for v in verified],
+        accepted_len=[int(a) for a in accepted],
+        confidence_logits=tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_F32, shape=list(logits.shape),
+                                            data=logits.tobytes()))
+
+
+def temperatures_of(capacity: load_pb2.Capacity) -> np.ndarray:
+    return np.frombuffer(capacity.calibration.temperatures.data, dtype="<f4").astype(np.float64)
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def gauge(text: str, name: str, **labels) -> float | None:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}} ") or (not labels and line.startswith(f"{name} ")):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_online_sts_through_redis_matches_offline_fit(schedulers, redis_server):
+    logits, accepted_len, verified_len = overconfident_traffic(seed=3, num=12000)
+    logits = logits.astype(np.float32).astype(np.float64)  # what travels: f32
+    channels = [grpc.insecure_channel(address) for address, _ in schedulers]
+    stubs = [scheduler_pb2_grpc.SchedulerStub(c) for c in channels]
+    try:
+        for i, stub in enumerate(stubs):
+            first = register(stub, f"synthetic-{i}")
+            assert not first.decided and first.calibration.version == 0  # nothing reported yet
+        # Alternate replicas: each scheduler only ever sees half of the reports.
+        started = time.monotonic()
+        for step, rows in enumerate(np.array_split(np.arange(len(logits)), len(logits) // ROWS)):
+            i = step % 2
+            reply = stubs[i].ReportStep(report(f"synthetic-{i}", step, logits[rows], accepted_len[rows],
+                                               verified_len[rows]), timeout=5)
+        send_s = time.monotonic() - started
+        assert reply.decided  # the capacity rule answered as soon as confidences + SPS existed
+
+        # The accumulated bins in Redis are exactly the statistics of all the traffic (merge-safe).
+        expected = OnlineCalibrationStats(GAMMA)
+        expected.add(logits, accepted_len, verified_len)
+        client = redis_server.client()
+
+        def all_binned():
+            fields = client.hgetall(bins_key(VERSION))
+            return fields and int(fields.get("reports", 0)) == len(logits) // ROWS and fields
+
+        fields = wait_until(all_binned, 120, what="all reports binned in Redis")
+        assert json.loads(fields["layout"]) == {"gamma": GAMMA, "bin_width": 1 / 16, "logit_limit": 16.0}
+        for name, array in (("r", expected.reached), ("a", expected.accepted)):
+            got = np.zeros_like(array)
+            for field, value in fields.items():
+                if field.startswith(f"{name}:"):
+                    _, k, b = field.split(":")
+                    got[int(k), int(b)] = int(value)
+            np.testing.assert_array_equal(got, array)
+
+        # A refit over all of it lands in Redis, with a version, and comes back in the replies.
+        def fitted_on_everything():
+            sts = client.hgetall(sts_key(VERSION))
+            return sts and json.loads(sts["samples"]) == expected.num_samples.tolist() and sts
+
+        sts = wait_until(fitted_on_everything, 120, what="a refit on all reports")
+        stored = np.array(json.loads(sts["temperatures"]))
+        version = int(sts["version"])
+        assert version >= 1
+        for i, stub in enumerate(stubs):
+            def newest(stub=stub, i=i):
+                reply = stub.Heartbeat(scheduler_pb2.HeartbeatRequest(load=load(f"synthetic-{i}")), timeout=5)
+                return reply.calibration.version >= version and reply
+            capacity = wait_until(newest, 60, what="the newest temperatures in the replies")
+            assert capacity.calibration.drafter_version == VERSION
+            np.testing.assert_allclose(temperatures_of(capacity), stored, rtol=1e-6)
+
+        # Calibration quality, measured the reference evaluator's way (prefix survival per position).
+        def position_ece(temperatures):
+            return per_position_calibration(apply_sts(logits, temperatures), accepted_len, verified_len)
+
+        raw = per_position_calibration(sigmoid(logits), accepted_len, verified_len)
+        offline, online = position_ece(fit_sts(logits, accepted_len, verified_len)), position_ece(stored)
+        print(f"\nsent {len(logits) // ROWS} reports in {send_s:.1f} s; T online {np.round(stored, 3)}")
+        print("ECE per position raw", np.round(raw.ece, 4), "offline", np.round(offline.ece, 4),
+              "online", np.round(online.ece, 4))
+        assert raw.mean_ece > 0.05  # over-confident to start with
+        assert np.all(online.ece <= offline.ece + 0.02)
+        assert online.mean_ece < offline.mean_ece + 0.02 and online.mean_ece < 0.025
+        assert np.all(stored > 1.5)  # it really cooled the inflated logits (true factor 2.5)
+
+        # The scheduler that fitted exports the per-position ECE of its fit.
+        texts = [scrape(port) for _, port in schedulers]
+        exported = [gauge(t, "dspark_calibration_ece", position="1") for t in texts]
+        assert any(e is not None for e in exported)
+        assert min(e for e in exported if e is not None) < 0.03
+
+        # Capacity: the two-step rule on the newest report, its temperatures and the published SPS.
+        probe = logits[:ROWS] * 0.5
+        reply = stubs[0].ReportStep(report("synthetic-0", 10**6, probe, np.zeros(ROWS, int), np.zeros(ROWS, int)),
+                                    timeout=5)
+        sps = sps_table([(b, float(np.float32(s))) for b, s in SPS])
+        assert reply.decided
+        assert reply.k == capacity_for(probe, temperatures_of(reply), sps)
+        assert reply.k != capacity_for(probe, None, sps)  # calibrated survivals changed the decision
+        # An older report (out-of-order reply) does not replace the newer confidences.
+        stale = stubs[0].ReportStep(report("synthetic-0", 5, logits[:ROWS] * 3, np.zeros(ROWS, int),
+                                           np.zeros(ROWS, int)), timeout=5)
+        assert stale.k == reply.k
+        assert gauge(scrape(schedulers[0][1]), "dspark_scheduled_capacity_k", verifier_id="synthetic-0") == reply.k
+    finally:
+        for channel in channels:
+            channel.close()
+
+
+def test_malformed_confidences_are_refused(schedulers):
+    with grpc.insecure_channel(schedulers[0][0]) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        register(stub, "synthetic-bad")
+        bad = report("synthetic-bad", 1, np.zeros((3, GAMMA)), [0, 0, 0], [1, 1, 1])
+        bad.verified_len.append(1)  # 4 lengths for 3 rows
+        with pytest.raises(grpc.RpcError) as error:
+            stub.ReportStep(bad, timeout=5)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        worse = report("synthetic-bad", 2, np.zeros((2, GAMMA)), [3, 0], [1, 0])  # accepted > verified
+        with pytest.raises(grpc.RpcError) as error:
+            stub.ReportStep(worse, timeout=5)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
