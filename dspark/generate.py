@@ -28,7 +28,7 @@ def load_drafter_for(loaded, drafter: str | None):
 
     if drafter in (None, "none"):
         return None
-    path = Path(drafter) if Path(drafter).exists() else default_drafter_dir(loaded.name, drafter)
+    path = Path(drafter) if (Path(drafter) / "config.json").exists() else default_drafter_dir(loaded.name, drafter)
     if path is None:
         return None
     model = loaded.model
