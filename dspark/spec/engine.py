@@ -92,7 +92,14 @@ class SpecEngine(Engine):
                 [s.generator for s in seqs])
         except DrafterUnavailable:
             return None, [0] * len(seqs)
-        return block, self.policy.lengths(block, caps)
+        lens = list(self.policy.lengths(block, caps))
+        # A seeded sampled request must replay exactly, so its verification length may not
+        # depend on other requests or on the scheduler's state: it verifies a fixed number.
+        fixed = getattr(self.policy, "k", None) or getattr(self.policy, "static_k", None) or self.drafter.gamma
+        for i, s in enumerate(seqs):
+            if s.params.seed is not None and s.params.temperature > 0:
+                lens[i] = min(caps[i], fixed)
+        return block, lens
 
     def _cap(self, seq: Sequence) -> int:
         """Most drafts this request may verify: block size, its override, room left."""
