@@ -18,9 +18,9 @@ Redis layout (one drafter version = one checkpoint; <v> is its version string):
 Merge safety: every scheduler replica only *adds* its own counts with HINCRBY (inside
 MULTI/EXEC, so one flush lands whole or not at all); counters commute, so replicas never lose
 each other's data and the bins are exactly the sum of all reports (only bins that changed are
-written). A refit reads the bins, fits, and writes temperatures + version in one MULTI/EXEC;
-two replicas refitting at once both write a fit of (almost) the same data, each with its own
-version number, and everyone takes the highest version.
+written). A refit reads the bins, fits, and writes temperatures + version in one WATCH/MULTI/EXEC that
+gives way when the stored fit already used more samples (counters only grow, so more samples =
+newer data) or changed meanwhile; everyone takes the highest version.
 The older `dspark:calibration:<v>` hash (plain outcome counters, store.py) is separate.
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+from redis.exceptions import WatchError
 
 from dspark.sched.calibration import OnlineCalibrationStats
 
@@ -90,6 +91,8 @@ class MemoryCalibrationStore:
 
     async def save_fit(self, drafter_version: str, fit: Fit) -> int:
         old = self._fits.get(drafter_version)
+        if old is not None and old.samples.sum() > fit.samples.sum():
+            return 0
         fit.version = (old.version if old else 0) + 1
         self._fits[drafter_version] = fit
         return fit.version
@@ -130,10 +133,20 @@ class RedisCalibrationStore:
         return stats
 
     async def save_fit(self, drafter_version: str, fit: Fit) -> int:
+        """Store under a new version; 0 (not stored) when the stored fit already used more data."""
+        key = sts_key(drafter_version)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hincrby(sts_key(drafter_version), "version", 1)
-            pipe.hset(sts_key(drafter_version), mapping=fit.fields())
-            version, _ = await pipe.execute()
+            try:
+                await pipe.watch(key)
+                stored = Fit.from_fields(await pipe.hgetall(key))
+                if stored is not None and stored.samples.sum() > fit.samples.sum():
+                    return 0
+                pipe.multi()
+                pipe.hincrby(key, "version", 1)
+                pipe.hset(key, mapping=fit.fields())
+                version, _ = await pipe.execute()
+            except WatchError:  # another replica stored a fit meanwhile: theirs stands
+                return 0
         fit.version = int(version)
         return fit.version
 

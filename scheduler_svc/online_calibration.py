@@ -114,7 +114,8 @@ class OnlineCalibrator:
         self._last_fit_at[version] = time.monotonic()
         temperatures = await asyncio.to_thread(stats.fit)
         fit = Fit(0, temperatures, stats.num_samples, position_ece(stats, temperatures), time.time())
-        await self.store.save_fit(version, fit)
+        if not await self.store.save_fit(version, fit):
+            return None  # another replica stored a fit of newer data: tick() picks it up
         log.info("STS refit of %s: v%d, T=%s, ECE per position=%s (raw %s), samples=%s", version, fit.version,
                  np.round(temperatures, 3).tolist(), np.round(fit.ece, 4).tolist(),
                  np.round(position_ece(stats), 4).tolist(), fit.samples.tolist())

@@ -1,0 +1,127 @@
+"""In-process units of confidence scheduling's service pieces: the verifier's ScheduledPolicy
+(scheduler K, fallback, temperatures), the SPS warm-up, the scheduler's CapacityPlanner and
+OnlineCalibrator on the in-process store."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from dspark.engine.generate import Engine
+from dspark.proto_gen.v1 import load_pb2, tensor_pb2
+from dspark.sched.calibration import OnlineCalibrationStats, apply_sts
+from dspark.sched.prefix_scheduler import admit_top_k
+from scheduler_svc.calibration_store import Fit, MemoryCalibrationStore
+from scheduler_svc.capacity import CapacityPlanner, capacity_for, sps_table
+from scheduler_svc.online_calibration import OnlineCalibrator
+from spec_helpers import tiny_target
+from test_calibration import GAMMA, overconfident_traffic
+from verifier_svc.scheduled_policy import ScheduledPolicy
+from verifier_svc.sps_profile import profile_token_counts, warmup_profile
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def block(logits):
+    return SimpleNamespace(conf_logits=torch.tensor(logits, dtype=torch.float32))
+
+
+def calibration(version, temps, drafter_version="v1"):
+    temps = np.asarray(temps, dtype="<f4")
+    return load_pb2.Calibration(drafter_version=drafter_version, version=version, temperatures=tensor_pb2.Tensor(
+        dtype=tensor_pb2.DTYPE_F32, shape=[temps.size], data=temps.tobytes()))
+
+
+LOGITS = [[3.0, 2.0, 1.0, 0.0], [2.5, -1.0, -2.0, -3.0], [0.5, 0.0, -1.0, -4.0]]
+
+
+def test_scheduler_k_then_last_k_then_static_default():
+    clock = Clock()
+    policy = ScheduledPolicy(lambda b: 1.0, static_k=1, gamma=4, drafter_version="v1", ttl_steps=3, ttl_s=2.0,
+                             clock=clock)
+    caps = [4, 4, 4]
+    static = admit_top_k(policy.calibrated_survival(LOGITS), 3, np.array(caps)).tolist()  # K = 1 x 3 requests
+    assert static == [2, 1, 0]
+    assert policy.lengths(block(LOGITS), caps) == static and not policy.from_scheduler
+    policy.apply(load_pb2.Capacity(k=7, decided=False))  # no decision: nothing changes
+    assert policy.lengths(block(LOGITS), caps) == static
+    policy.apply(load_pb2.Capacity(k=7, decided=True))
+    want = admit_top_k(policy.calibrated_survival(LOGITS), 7, np.array(caps)).tolist()
+    assert sum(want) == 7
+    assert policy.lengths(block(LOGITS), caps) == want and policy.from_scheduler and policy.last_k == 7
+    for _ in range(5):  # many steps, little time: the last K stays
+        assert policy.lengths(block(LOGITS), caps) == want
+    clock.now = 2.5  # and now both limits have passed: static default
+    assert policy.lengths(block(LOGITS), caps) == static and not policy.from_scheduler
+    policy.apply(load_pb2.Capacity(k=0, decided=True))  # a real K = 0: verify nothing
+    assert policy.lengths(block(LOGITS), caps) == [0, 0, 0] and policy.from_scheduler
+    # Caps (overrides, room) still bound every request.
+    policy.apply(load_pb2.Capacity(k=12, decided=True))
+    assert policy.lengths(block(LOGITS), [0, 2, 4]) == [0, 2, 4]
+    # No confidences (DFlash/EAGLE-3): the fixed static K per request.
+    assert policy.lengths(SimpleNamespace(conf_logits=None), [4, 4]) == [1, 1] and not policy.from_scheduler
+
+
+def test_temperatures_newer_version_of_the_same_drafter_only():
+    policy = ScheduledPolicy(lambda b: 1.0, static_k=1, gamma=4, drafter_version="v1")
+    policy.apply(load_pb2.Capacity(decided=False, calibration=calibration(2, [2.0, 2.0, 3.0, 3.0])))
+    np.testing.assert_allclose(policy.temperatures, [2, 2, 3, 3])
+    assert policy.calibration_version == 2
+    for stale in (calibration(1, [5.0] * 4), calibration(3, [5.0] * 4, "v0"), calibration(4, [5.0] * 3),
+                  calibration(5, [5.0, -1.0, 1.0, 1.0])):
+        assert not policy.set_calibration(stale)
+    np.testing.assert_allclose(policy.temperatures, [2, 2, 3, 3])
+    np.testing.assert_allclose(policy.calibrated_survival(LOGITS),
+                               np.cumprod(apply_sts(LOGITS, [2.0, 2.0, 3.0, 3.0]), axis=1))
+
+
+def test_warmup_profile_measures_each_b_and_leaves_the_cache_empty():
+    engine = Engine(tiny_target(), max_batch=4, max_len=64)
+    table = warmup_profile(engine, max_tokens=20, repeats=2)
+    assert profile_token_counts(20) == [1, 2, 4, 8, 16, 20]
+    assert sorted(table.seconds_by_tokens) == [1, 2, 4, 8, 16, 20]
+    assert all(s > 0 for s in table.seconds_by_tokens.values())
+    assert engine.cache.num_free == 4 and sum(engine.cache.lengths) == 0
+
+
+def test_capacity_planner_uses_the_newest_report_and_the_published_sps():
+    planner = CapacityPlanner()
+    points = [[1, 100.0], [4, 95.0], [8, 60.0], [16, 20.0]]
+    logits = np.array(LOGITS)
+    assert planner.on_report("v", 1, logits, None, []) is None  # no SPS table yet: no decision
+    k = planner.on_report("v", 2, logits, None, points)
+    assert k == capacity_for(logits, None, sps_table(points)) and planner.k["v"] == k
+    assert planner.on_report("v", 1, logits - 5, None, points) == k  # older report: ignored
+    cold = planner.on_report("v", 3, logits, np.full(4, 4.0), points)
+    assert cold == capacity_for(logits, np.full(4, 4.0), sps_table(points))
+    planner.forget("v")
+    assert "v" not in planner.k
+
+
+def test_online_calibrator_refits_from_the_store_and_refuses_older_fits():
+    logits, accepted, verified = overconfident_traffic(seed=1, num=4000)
+    store = MemoryCalibrationStore()
+    calibrator = OnlineCalibrator(store, refit_reports=10, refit_s=1e9, min_samples=100)
+    for rows in np.array_split(np.arange(len(logits)), 40):
+        calibrator.add("v1", logits[rows], accepted[rows], verified[rows])
+    asyncio.run(calibrator.tick())
+    expected = OnlineCalibrationStats(GAMMA)
+    expected.add(logits, accepted, verified)
+    fit = calibrator.fits["v1"]
+    assert fit.version == 1
+    np.testing.assert_allclose(fit.temperatures, expected.fit())
+    np.testing.assert_array_equal(fit.samples, expected.num_samples)
+    reply = calibrator.calibration("v1")
+    assert reply.version == 1 and reply.drafter_version == "v1"
+    np.testing.assert_allclose(np.frombuffer(reply.temperatures.data, "<f4"), fit.temperatures, rtol=1e-6)
+    older = Fit(0, np.ones(GAMMA), expected.num_samples - 1, np.zeros(GAMMA))
+    assert asyncio.run(store.save_fit("v1", older)) == 0  # fewer samples than the stored fit
+    assert calibrator.calibration("nothing") is None

@@ -1,0 +1,148 @@
+"""Confidence-scheduled verification through the real services (DESIGN.md 1.4, 2).
+
+Drafter (random DSpark: it has confidences), scheduler (two-step rule + online STS, real Redis)
+and verifier run as processes on a tiny target. The verifier's static default is --k=0, so any
+draft token it verifies was admitted under a K that came from the scheduler; --explore=0 so
+nothing else adds drafts. Outputs must equal in-process plain greedy decoding throughout, also
+after the scheduler is killed (last K, then the static default).
+
+The tests share one cluster and run in file order: the last one kills the scheduler.
+"""
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from dspark.models.loader import load_model
+from dspark.proto_gen.v1 import verifier_pb2, verifier_pb2_grpc
+from service_helpers import (RedisServer, StreamThread, free_port, start_drafter, start_scheduler, start_verifier,
+                             wait_registered, wait_serving, wait_until, write_tiny_target)
+from spec_helpers import greedy_reference
+
+pytestmark = pytest.mark.slow
+# Prompts whose greedy continuation (600 tokens) on the tiny target never has a top-2 logit gap
+# under 8e-4: batching changes float rounding, and a near-tie would flip a token with no bug.
+PROMPTS = [[42, 78, 67, 52], [34, 62], [22, 38], [33, 60, 58, 25], [10, 14], [11, 16, 36], [38, 70, 63],
+           [26, 46, 51]]
+MAX_TOKENS = 240
+LONG = 600  # the fallback test needs streams that outlive the capacity TTL
+TTL_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = write_tiny_target(tmp_path_factory.mktemp("tiny") / "tiny")
+    reference = greedy_reference(load_model(str(path)).model, PROMPTS, LONG, max_len=1024)
+    return str(path), reference
+
+
+@pytest.fixture(scope="module")
+def cluster(target, tmp_path_factory):
+    path, _ = target
+    logs = tmp_path_factory.mktemp("logs")
+    redis_server = RedisServer().start()
+    metrics_ports = {"scheduler": free_port(), "verifier": free_port()}
+    drafter, d_addr = start_drafter(path, logs)
+    scheduler, s_addr = start_scheduler(logs, [], redis_url=redis_server.url, metrics_port=metrics_ports["scheduler"],
+                                        calibration_refit_s=1, calibration_min_samples=50)
+    services = [drafter, scheduler]
+    try:
+        wait_serving(d_addr, drafter, timeout=600)
+        wait_serving(s_addr, scheduler, timeout=600)
+        verifier, v_addr = start_verifier(path, logs, d_addr, s_addr, metrics_port=metrics_ports["verifier"], k=0,
+                                          explore=0, report_interval_s=0.2, capacity_ttl_steps=10,
+                                          capacity_ttl_s=TTL_S, sps_warmup_s=5)
+        services.append(verifier)
+        wait_serving(v_addr, verifier, timeout=600)
+        wait_registered(s_addr, 1, timeout=300)
+        yield dict(scheduler=scheduler, s_addr=s_addr, verifier=verifier, v_addr=v_addr, redis=redis_server,
+                   metrics=metrics_ports)
+    finally:
+        for service in reversed(services):
+            service.kill()
+        redis_server.kill()
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)
+            if name and not name.startswith("#")}
+
+
+def get_load(address: str):
+    with grpc.insecure_channel(address) as channel:
+        return verifier_pb2_grpc.VerifierStub(channel).GetLoad(verifier_pb2.GetLoadRequest(), timeout=10)
+
+
+def test_scheduler_capacity_drives_verification_and_output_stays_greedy(target, cluster):
+    _, reference = target
+    s_addr, v_addr = cluster["s_addr"], cluster["v_addr"]
+    load = get_load(v_addr)
+    assert len(load.sps) >= 5  # the warm-up profile (B = 1, 2, 4, ... 16 x (1 + 4)) before SERVING
+    assert all(p.steps_per_sec > 0 for p in load.sps)
+    assert list(load.sps) == sorted(load.sps, key=lambda p: p.batch_tokens)
+
+    normal = [StreamThread(s_addr, token_ids=p, max_tokens=MAX_TOKENS) for p in PROMPTS[:6]]
+    disabled = StreamThread(s_addr, token_ids=PROMPTS[6], max_tokens=MAX_TOKENS, speculation=False)
+    capped = StreamThread(s_addr, token_ids=PROMPTS[7], max_tokens=MAX_TOKENS, max_draft_tokens=1)
+    everything = normal + [disabled, capped]
+    seen = []  # (K in force, from the scheduler?) as the verifier exports them while streams run
+    while any(s.thread.is_alive() for s in everything):
+        m = scrape(cluster["metrics"]["verifier"])
+        seen.append((m.get("dspark_capacity_k"), m.get("dspark_capacity_from_scheduler")))
+        time.sleep(0.1)
+    results = [s.result() for s in everything]
+    for result, want in zip(results, reference):
+        assert list(result.token_ids) == want[:MAX_TOKENS]
+    # Static default K = 0 here: every verified draft token was admitted under the scheduler's K.
+    assert sum(r.metrics.draft_tokens for r in results[:6]) > 0
+    assert any(source == 1.0 for _, source in seen), seen
+    assert any(k is not None and k > 0 for k, source in seen if source == 1.0), seen
+    # Per-request overrides pass through: disabled verifies nothing, capped at most 1 per step.
+    assert results[6].metrics.draft_tokens == 0
+    assert results[7].metrics.draft_tokens == results[7].metrics.drafts
+    assert len(results[7].metrics.verified_per_position) <= 1
+
+    # The labels went into Redis and the refitted temperatures came back to the verifier.
+    client = cluster["redis"].client()
+    assert client.exists("dspark:calibration:random-dspark-0:bins")
+    wait_until(lambda: get_load(v_addr).calibration_version >= 1, 120, what="temperatures at the verifier")
+    assert int(client.hget("dspark:calibration:random-dspark-0:sts", "version")) >= 1
+    verifier_metrics = scrape(cluster["metrics"]["verifier"])
+    assert verifier_metrics["dspark_verified_tokens_per_request_count"] > 0
+    scheduler_metrics = scrape(cluster["metrics"]["scheduler"])
+    assert any(name.startswith("dspark_calibration_ece{") for name in scheduler_metrics)
+    assert any(name.startswith("dspark_scheduled_capacity_k{") for name in scheduler_metrics)
+
+
+def test_scheduler_killed_mid_run_last_k_then_static_default(target, cluster):
+    _, reference = target
+    v_addr = cluster["v_addr"]
+    port = cluster["metrics"]["verifier"]
+    running = [StreamThread(v_addr, token_ids=p, max_tokens=LONG) for p in PROMPTS[:6]]  # straight to the verifier
+    wait_until(lambda: all(len(s.tokens) >= 20 for s in running), 120, what="tokens flowing")
+    wait_until(lambda: scrape(port).get("dspark_capacity_from_scheduler") == 1.0, 60, what="scheduler K in force")
+    cluster["scheduler"].kill()
+    killed = time.monotonic()
+    samples = []  # (seconds since the kill, from scheduler?, K, shortest stream so far)
+    while any(s.thread.is_alive() for s in running):
+        m = scrape(port)
+        samples.append((time.monotonic() - killed, m.get("dspark_capacity_from_scheduler"),
+                        m.get("dspark_capacity_k"), min(len(s.tokens) for s in running)))
+        time.sleep(0.05)
+    results = [s.result() for s in running]
+    for result, want in zip(results, reference):
+        assert list(result.token_ids) == want  # never a wrong token, with or without the scheduler
+    # Right after the kill the last K stays in force ...
+    assert any(t < TTL_S * 0.7 and source == 1.0 for t, source, _, _ in samples), samples[:20]
+    # ... then, with streams still running, the static default (--k=0: K = 0 x requests).
+    fallback = [(t, k, progress) for t, source, k, progress in samples if source == 0.0]
+    assert fallback and fallback[0][0] > TTL_S * 0.7, samples[:40]
+    assert any(k == 0 and progress < LONG for _, k, progress in fallback), fallback[:20]
+    # A new request while the scheduler is gone: plain decoding under K = 0, still exact.
+    late = StreamThread(v_addr, token_ids=PROMPTS[6], max_tokens=60).result()
+    assert list(late.token_ids) == reference[6][:60] and late.metrics.draft_tokens == 0
