@@ -1,6 +1,7 @@
 """Target engine speed on this machine: plain decoding vs transformers vs llama.cpp, and the
 verification-cost curve (one pass with n new tokens on a 512-token context).
 
+    pip install -e ".[bench]"   # llama-cpp-python, built from source (~10 min here)
     python benchmarks/engine_speed.py [--tokens 64] [--skip-llamacpp]
 
 Prints two tables and writes benchmarks/results/engine_speed.png. All contenders run in this
@@ -9,6 +10,7 @@ one process, one after another, on the same prompts, so their ratios are compara
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 from pathlib import Path
@@ -46,15 +48,55 @@ def transformers_generate(hf, prompts, new_tokens):
 
 
 def llamacpp(prompts, new_tokens):
-    """llama.cpp on the same GGUF (batch 1 only: llama-cpp-python serves one sequence per call)."""
-    from llama_cpp import Llama
+    """llama.cpp on the same GGUF, fed the same token ids: one llama_decode per step over every
+    sequence of the batch (its own KV sequence each), greedy, through llama-cpp-python's C API."""
+    import llama_cpp as lc
+    import numpy as np
 
-    llm = Llama(model_path=str(default_gguf_path()), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
-    start, total = time.perf_counter(), 0
-    for p in prompts:
-        out = llm(llm.detokenize(p).decode("utf-8", "ignore"), max_tokens=new_tokens, temperature=0.0)
-        total += out["usage"]["completion_tokens"]
-    return total / (time.perf_counter() - start)
+    lc.llama_backend_init()
+    lc.llama_log_set(_quiet, ctypes.c_void_p(0))
+    model = lc.llama_model_load_from_file(str(default_gguf_path()).encode(), lc.llama_model_default_params())
+    params = lc.llama_context_default_params()
+    params.n_ctx = len(prompts) * (max(map(len, prompts)) + new_tokens + 8)
+    params.n_batch = params.n_ubatch = max(512, sum(map(len, prompts)))
+    params.n_seq_max = len(prompts)
+    params.n_threads = params.n_threads_batch = torch.get_num_threads()
+    ctx = lc.llama_init_from_model(model, params)
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    batch = lc.llama_batch_init(params.n_batch, 0, len(prompts))
+
+    def decode(items):  # (token, position, sequence, wants logits) -> greedy next token per wanted row
+        batch.n_tokens = len(items)
+        for i, (token, pos, seq, wants) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, wants
+            batch.seq_id[i][0] = seq
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return [int(np.argmax(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(n_vocab,))))
+                for i, item in enumerate(items) if item[3]]
+
+    try:
+        start = time.perf_counter()
+        last = decode([(t, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, t in enumerate(p)])
+        for step in range(new_tokens - 1):
+            last = decode([(t, len(p) + step, s, True) for s, (t, p) in enumerate(zip(last, prompts))])
+        return len(prompts) * new_tokens / (time.perf_counter() - start)
+    finally:
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+        lc.llama_model_free(model)
+
+
+def _quiet_log(level, text, user_data):
+    pass
+
+
+try:  # llama.cpp's log callback; kept referenced for the life of the process
+    import llama_cpp as _lc
+
+    _quiet = _lc.llama_log_callback(_quiet_log)
+except ImportError:
+    _quiet = None
 
 
 def verification_curve(model, context=512, sizes=(1, 2, 4, 8, 16, 32), repeats=5):
@@ -91,11 +133,10 @@ def main():
         group = prompts[:batch]
         results[("dspark engine", batch)] = ours(loaded, group, args.tokens)
         results[("transformers", batch)] = transformers_generate(hf, group, args.tokens)
-    if not args.skip_llamacpp:
-        try:
-            results[("llama.cpp (Q4_1)", 1)] = llamacpp(prompts[:1], args.tokens)
-        except ImportError:
-            print("llama-cpp-python not installed: pip install llama-cpp-python (builds from source, ~10 min)")
+        if not args.skip_llamacpp and _quiet is not None:
+            results[("llama.cpp (Q4_1)", batch)] = llamacpp(group, args.tokens)
+    if not args.skip_llamacpp and _quiet is None:
+        print("llama-cpp-python not installed: pip install -e '.[bench]' (builds from source, ~10 min)")
     print(f"\nAutoregressive decoding, SmolLM2-135M, {args.tokens} new tokens, {torch.get_num_threads()} threads")
     print(f"{'engine':<20}{'batch':>6}{'tokens/s':>10}")
     for (name, batch), tps in results.items():

@@ -182,6 +182,7 @@ def record_from_load(load: load_pb2.VerifierLoad) -> dict:
     return dict(verifier_id=load.verifier_id, running=load.running, queued=load.queued, kv_use=load.kv_use,
                 capacity=load.capacity, max_batch=load.max_batch, max_context_tokens=load.max_context_tokens,
                 model=load.model, sps=[[p.batch_tokens, p.steps_per_sec] for p in load.sps],
+                draft_cost=[[p.requests, p.seconds] for p in load.draft_cost],
                 calibration_version=load.calibration_version)
 
 
@@ -243,7 +244,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 self.calibrator.add(request.drafter_version, conf, request.accepted_len, request.verified_len)
             known = self.registry.by_id(request.verifier_id) or {}
             self.planner.on_report(request.verifier_id, request.step, conf,
-                                   self._temperatures(request.drafter_version), known.get("sps", []))
+                                   self._temperatures(request.drafter_version), known.get("sps", []),
+                                   known.get("draft_cost", []))
         return self._capacity(request.verifier_id, request.drafter_version)
 
 

@@ -7,6 +7,7 @@ import asyncio
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from dspark.engine.generate import Engine
@@ -125,3 +126,48 @@ def test_online_calibrator_refits_from_the_store_and_refuses_older_fits():
     older = Fit(0, np.ones(GAMMA), expected.num_samples - 1, np.zeros(GAMMA))
     assert asyncio.run(store.save_fit("v1", older)) == 0  # fewer samples than the stored fit
     assert calibrator.calibration("nothing") is None
+
+
+def test_planner_weighs_the_published_draft_cost():
+    sps = [[b, 10.0] for b in range(1, 40)]  # flat: 0.1 s per target pass, any B
+    sure = np.full((3, GAMMA), 4.0)  # confident drafts
+    planner = CapacityPlanner()
+    assert planner.on_report("v", 1, sure, None, sps, [[1, 0.01], [8, 0.02]]) == 3 * GAMMA
+    # Drafting that costs more than the tokens it saves: K = 0 (the verifier then skips the drafter).
+    assert planner.on_report("v", 2, sure, None, sps, [[1, 2.0], [8, 3.0]]) == 0
+
+
+def test_capacity_control_splits_step_time_into_target_pass_and_drafting():
+    from dspark.spec.engine import StepReport
+    from verifier_svc.capacity_control import CapacityControl
+
+    control = CapacityControl()
+    control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1"), static_k=2)
+    control.on_step(StepReport(batch_size=2, batch_tokens=6, seconds=0.5, draft_seconds=0.2, drafted=True,
+                               verified=[2, 2], accepted=[1, 0]))
+    control.on_step(StepReport(batch_size=3, batch_tokens=3, seconds=0.25, draft_seconds=0.01, drafted=False,
+                               verified=[], accepted=[]))
+    assert control.sps.items() == [(3, 0.25), (6, pytest.approx(0.3))]  # the skipped step's 0.01 s is not drafting
+    assert control.draft_cost.items() == [(2, 0.2)]
+    load = control.fill_load(load_pb2.VerifierLoad())
+    assert [(p.requests, p.seconds) for p in load.draft_cost] == [(2, pytest.approx(0.2))]
+    # Fixed K (--schedule=off): the scheduler's K is never applied.
+    control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1"), static_k=2, scheduled=False)
+    control.apply(load_pb2.Capacity(k=0, decided=True))
+    assert control.policy.should_draft(3) and control.policy.lengths(None, [4, 4]) == [2, 2]
+
+
+def test_k_zero_skips_the_drafter_but_probes_and_expires():
+    clock = Clock()
+    policy = ScheduledPolicy(lambda b: 1.0, static_k=2, gamma=4, drafter_version="v1", ttl_steps=20, ttl_s=1.0,
+                             clock=clock, probe_every=4)
+    assert policy.should_draft(3)  # no decision yet: the static K drafts
+    policy.apply(load_pb2.Capacity(k=0, decided=True))
+    pattern = [policy.should_draft(3) for _ in range(8)]
+    assert pattern == [False, False, False, True] * 2  # a probe every 4th step
+    assert policy.last_k == 0
+    # The scheduler goes silent: skipped steps count towards its K's expiry like drafted ones.
+    clock.now = 5.0
+    for _ in range(25):  # 19 skipped: 25 steps since the K in all (probes count in lengths())
+        policy.should_draft(3)
+    assert policy.should_draft(3) and not policy.from_scheduler and policy.capacity(3) == 6

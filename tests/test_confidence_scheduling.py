@@ -3,7 +3,8 @@
 Drafter (random DSpark: it has confidences), scheduler (two-step rule + online STS, real Redis)
 and verifier run as processes on a tiny target. The verifier's static default is --k=0, so any
 draft token it verifies was admitted under a K that came from the scheduler; --explore=0 so
-nothing else adds drafts. Outputs must equal in-process plain greedy decoding throughout, also
+nothing else adds drafts; --draft-probe-every=1 so the verifier drafts every step (on a tiny target
+the drafter round trip costs more than it saves, and K = 0 would rightly skip it). Outputs must equal in-process plain greedy decoding throughout, also
 after the scheduler is killed (last K, then the static default).
 
 The tests share one cluster and run in file order: the last one kills the scheduler.
@@ -53,7 +54,7 @@ def cluster(target, tmp_path_factory):
         wait_serving(d_addr, drafter, timeout=600)
         wait_serving(s_addr, scheduler, timeout=600)
         verifier, v_addr = start_verifier(path, logs, d_addr, s_addr, metrics_port=metrics_ports["verifier"], k=0,
-                                          explore=0, report_interval_s=0.2, capacity_ttl_steps=10,
+                                          explore=0, draft_probe_every=1, report_interval_s=0.2, capacity_ttl_steps=10,
                                           capacity_ttl_s=TTL_S, sps_warmup_s=5)
         services.append(verifier)
         wait_serving(v_addr, verifier, timeout=600)

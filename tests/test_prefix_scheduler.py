@@ -118,6 +118,16 @@ def test_capacity_matches_exhaustive_search_on_random_cases():
         assert theta(admit_top_k(a, capacity), a, sps) == pytest.approx(best)
 
 
+def test_draft_cost_is_paid_only_when_drafting():
+    # Flat SPS (memory-bound target): 1 request, survivals 0.6, 0.36, 0.216.
+    a = prefix_survival(np.array([[0.6, 0.6, 0.6]]))
+    sps = lambda tokens: np.full(np.shape(tokens), 10.0)  # noqa: E731  0.1 s per pass
+    assert capacity_from_confidences(a, sps) == 3  # free drafting: verify everything
+    # Theta(3) = 2.176 / (0.1 + d) beats Theta(0) = 1 / 0.1 while d < 0.1176 s.
+    assert capacity_from_confidences(a, sps, draft_seconds=0.11) == 3
+    assert capacity_from_confidences(a, sps, draft_seconds=0.12) == 0
+
+
 def test_capacity_takes_smallest_on_ties():
     assert capacity_from_confidences(np.zeros((2, 3)), lambda tokens: 1.0) == 0
 

@@ -154,8 +154,24 @@ def test_confidence_policy_is_lossless_and_adapts_capacity():
     assert [s.output for s in seqs] == greedy_reference(target, prompts, 30)
     assert cheap.last_k is not None and len(cheap.history) == 2
     # A target whose cost explodes with batch tokens: the rule verifies nothing.
-    steep = ConfidencePolicy(lambda b: 1.0 / np.asarray(b, dtype=float) ** 4, static_k=2)
-    engine = SpecEngine(target, random_drafter(target, "dspark"), steep, max_batch=8, max_len=256)
-    seqs = engine.generate(prompts, SamplingParams(max_tokens=30))
+    # It then skips the drafter (plain decoding) but for a probe every `probe_every` steps.
+    steep = ConfidencePolicy(lambda b: 1.0 / np.asarray(b, dtype=float) ** 4, static_k=2, probe_every=8)
+    drafter = random_drafter(target, "dspark")
+    engine = SpecEngine(target, drafter, steep, max_batch=8, max_len=256)
+    drafted_steps, steps = 0, 0
+    seqs = [engine.add(p, SamplingParams(max_tokens=30)) for p in prompts]
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        drafted_steps += engine.last_report.drafted
     assert [s.output for s in seqs] == greedy_reference(target, prompts, 30)
     assert steep.last_k == 0
+    assert 2 <= drafted_steps <= 1 + steps // 8, (drafted_steps, steps)  # the first step, then probes only
+    # Drafting that costs more than a target pass: K = 0 even with a flat SPS and sure drafts.
+    costly = ConfidencePolicy(lambda b: 10.0, static_k=2, draft_cost=lambda r: 1.0)
+    assert costly.capacity(2) == 4  # no confidences yet: the static K
+    costly.history.append(np.full((2, 4), 0.5))
+    assert costly.capacity(2) == 0 and not costly.should_draft(2)
+    free = ConfidencePolicy(lambda b: 10.0, static_k=2, draft_cost=lambda r: 0.01)
+    free.history.append(np.full((2, 4), 0.5))
+    assert free.capacity(2) > 0 and free.should_draft(2)

@@ -1,6 +1,6 @@
 """python -m verifier_svc --port=50052 --health-port=50060 --metrics-port=9400 --model=smollm2-135m
        --drafter-addr=HOST:50053 --scheduler-addr=HOST:50051 [--redis-url=...] [--verifier-id=...]
-       [--max-batch=16] [--max-len=2048] [--k=K]
+       [--max-batch=16] [--max-len=2048] [--k=K] [--schedule=on|off]
 
 --drafter-addr empty = plain decoding; --scheduler-addr empty = no reports (direct use only).
 """
@@ -44,8 +44,13 @@ def parse_args(argv=None):
     ap.add_argument("--max-len", type=int, default=int(env("DSPARK_MAX_LEN", 2048)))
     ap.add_argument("--k", type=int, default=int(env("DSPARK_K", -1)),
                     help="draft tokens verified per request per step (default: the drafter's block size)")
+    ap.add_argument("--schedule", choices=["on", "off"], default=env("DSPARK_SCHEDULE", "on"),
+                    help="on: verify the scheduler's K (two-step rule, --k is the fallback); off: always --k per request")
     ap.add_argument("--explore", type=float, default=float(env("DSPARK_EXPLORE", 0.05)),
                     help="share of requests that verify their whole block anyway (labels for low-confidence tails)")
+    ap.add_argument("--draft-probe-every", type=int, default=int(env("DSPARK_DRAFT_PROBE_EVERY", 16)),
+                    help="while the scheduler's K is 0 the drafter is skipped but for every N-th step, whose "
+                         "confidences tell when drafting pays again (1 = draft every step)")
     ap.add_argument("--capacity-ttl-steps", type=int, default=int(env("DSPARK_CAPACITY_TTL_STEPS", 100)),
                     help="the scheduler's last K stays in force this many steps without a fresh one ...")
     ap.add_argument("--capacity-ttl-s", type=float, default=float(env("DSPARK_CAPACITY_TTL_S", 5)),
@@ -67,7 +72,10 @@ def parse_args(argv=None):
 
 async def serve(args) -> None:
     core = VerifierCore(args.default_max_tokens)
-    control = CapacityControl(args.explore, args.capacity_ttl_steps, args.capacity_ttl_s, args.sps_warmup_s)
+    if args.draft_probe_every < 1:
+        raise SystemExit("--draft-probe-every must be >= 1")
+    control = CapacityControl(args.explore, args.capacity_ttl_steps, args.capacity_ttl_s, args.sps_warmup_s,
+                              args.draft_probe_every)
 
     def load_fn():
         return control.fill_load(make_load(args.verifier_id, core.runner, args.max_batch, args.max_len,
@@ -93,7 +101,7 @@ async def serve(args) -> None:
             log.error("no drafter at %s after %.0f s: serving with plain decoding", args.drafter_addr,
                       args.drafter_wait_s)
     k = (args.k if args.k >= 0 else drafter.gamma) if drafter is not None else 0
-    engine = SpecEngine(loaded.model, drafter, control.make_policy(drafter, k), max_batch=args.max_batch,
+    engine = SpecEngine(loaded.model, drafter, control.make_policy(drafter, k, args.schedule == "on"), max_batch=args.max_batch,
                         max_len=args.max_len)
     await control.warmup(engine, args.max_batch)
     metrics.CAPACITY_K.set(control.k_in_force)

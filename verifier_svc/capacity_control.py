@@ -21,19 +21,26 @@ log = logging.getLogger(__name__)
 
 
 class CapacityControl:
-    def __init__(self, explore: float = 0.0, ttl_steps: int = 100, ttl_s: float = 5.0, warmup_s: float = 10.0):
+    def __init__(self, explore: float = 0.0, ttl_steps: int = 100, ttl_s: float = 5.0, warmup_s: float = 10.0,
+                 probe_every: int = 16):
+        """probe_every: while K = 0, draft only every probe_every-th step (1 = draft every step;
+        the drafting cost is then sunk and not published for the scheduler to weigh)."""
         self.explore, self.ttl_steps, self.ttl_s, self.warmup_s = explore, ttl_steps, ttl_s, warmup_s
-        self.sps = LiveSps()
+        self.probe_every = probe_every
+        self.sps = LiveSps()  # target step seconds by batch tokens B, drafting excluded
+        self.draft_cost = LiveSps()  # seconds drafting adds, by running requests R
         self.policy: ScheduledPolicy | FixedK | None = None
         self.drafter = None
 
-    def make_policy(self, drafter, static_k: int):
+    def make_policy(self, drafter, static_k: int, scheduled: bool = True):
+        """ScheduledPolicy (the scheduler's K, static_k as the fallback), or FixedK(static_k)
+        when not scheduled; FixedK(0) without a drafter."""
         self.drafter = drafter
-        if drafter is None:
-            self.policy = FixedK(0)
+        if drafter is None or not scheduled:
+            self.policy = FixedK(static_k if drafter is not None else 0)
         else:
             self.policy = ScheduledPolicy(self.sps, static_k, drafter.gamma, drafter.version, self.explore,
-                                          self.ttl_steps, self.ttl_s)
+                                          self.ttl_steps, self.ttl_s, probe_every=self.probe_every)
             self.policy.last_k = static_k
         return self.policy
 
@@ -54,6 +61,8 @@ class CapacityControl:
     def fill_load(self, load):
         load.capacity = self.k_in_force
         load.sps.extend(self.sps.points())
+        if self.probe_every > 1:  # K = 0 saves the drafting only when drafting can be skipped
+            load.draft_cost.extend(self.draft_cost.draft_cost_points())
         if isinstance(self.policy, ScheduledPolicy):
             load.calibration_version = self.policy.calibration_version
         return load
@@ -65,7 +74,10 @@ class CapacityControl:
     def on_step(self, report) -> None:
         # Pure decode steps only (no prompt in the pass): B = requests + drafts verified.
         if report.batch_tokens == report.batch_size + sum(report.verified) and report.seconds > 0:
-            self.sps.observe(report.batch_tokens, report.seconds)
+            drafting = report.draft_seconds if report.drafted else 0.0
+            self.sps.observe(report.batch_tokens, report.seconds - drafting)
+            if report.drafted:
+                self.draft_cost.observe(report.batch_size, report.draft_seconds)
         for n in report.verified:
             metrics.VERIFIED_PER_REQUEST.observe(n)
         policy = self.policy

@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 
 class ScheduledPolicy(ConfidencePolicy):
     def __init__(self, sps, static_k: int, gamma: int, drafter_version: str = "", explore: float = 0.0,
-                 ttl_steps: int = 100, ttl_s: float = 5.0, seed: int = 0, clock=time.monotonic):
-        super().__init__(sps, None, static_k=static_k, explore=explore, seed=seed)
+                 ttl_steps: int = 100, ttl_s: float = 5.0, seed: int = 0, clock=time.monotonic,
+                 probe_every: int = 16):
+        super().__init__(sps, None, static_k=static_k, explore=explore, seed=seed, probe_every=probe_every)
         self.gamma, self.drafter_version = gamma, drafter_version
         self.ttl_steps, self.ttl_s, self.clock = ttl_steps, ttl_s, clock
         self.steps = 0  # policy decisions so far (engine thread)
@@ -79,6 +80,16 @@ class ScheduledPolicy(ConfidencePolicy):
         k = self.scheduled_k()
         self.from_scheduler = k is not None
         return k if k is not None else self.static_k * num_requests
+
+    def next_capacity(self, num_requests: int) -> int:
+        return self.capacity(num_requests)  # the scheduler's K is already the newest knowledge
+
+    def should_draft(self, num_requests: int) -> bool:
+        draft = super().should_draft(num_requests)
+        if not draft:
+            self.steps += 1  # a drafted step counts in lengths(), a skipped one here
+            self.last_k = 0
+        return draft
 
     def lengths(self, block, caps: list[int]) -> list[int]:
         self.steps += 1

@@ -1,12 +1,12 @@
-"""The verifier's SPS table (DESIGN.md 1.4): seconds of a whole step per batch-token count B.
+"""The verifier's SPS table (DESIGN.md 1.4): seconds of a step without drafting per batch-token
+count B, and the draft-cost table: seconds drafting adds per number of requests R.
 
 At start, before the verifier reports SERVING, `warmup_profile` times a few target passes at
 B = 1, 2, 4, ... up to the most tokens one step can carry (max batch x (1 + gamma)), on the
-verifier's own KV cache and model, within a small time budget. Those are target passes only:
-the drafter round trip is not in them. Live steps then fold the real whole-step time (drafting
-included, as it runs: serial) into the table with `SpsTable.observe`, so the table soon
-measures what the scheduler needs. `LiveSps` is the thread-safe holder: the engine thread
-observes, the load reporter reads.
+verifier's own KV cache and model, within a small time budget. Live steps then fold their real
+times into both tables with `SpsTable.observe` (the step minus its drafting into the SPS table,
+the drafting into the draft-cost table), so they soon measure what the scheduler needs.
+`LiveSps` is the thread-safe holder: the engine thread observes, the load reporter reads.
 """
 from __future__ import annotations
 
@@ -89,8 +89,15 @@ class LiveSps:
         with self._lock:
             return self.table(tokens)
 
+    def items(self) -> list[tuple[int, float]]:
+        """(count, seconds), ascending count."""
+        with self._lock:
+            return sorted(self.table.seconds_by_tokens.items())
+
     def points(self) -> list[load_pb2.SpsPoint]:
         """The table for VerifierLoad.sps, ascending B."""
-        with self._lock:
-            items = sorted(self.table.seconds_by_tokens.items())
-        return [load_pb2.SpsPoint(batch_tokens=b, steps_per_sec=1.0 / s) for b, s in items]
+        return [load_pb2.SpsPoint(batch_tokens=b, steps_per_sec=1.0 / s) for b, s in self.items()]
+
+    def draft_cost_points(self) -> list[load_pb2.DraftCostPoint]:
+        """This table read as a draft-cost table (count = requests), for VerifierLoad.draft_cost."""
+        return [load_pb2.DraftCostPoint(requests=r, seconds=s) for r, s in self.items()]

@@ -33,10 +33,6 @@ class VarlenBatch:
             starts=list(starts), lens=lens,
         )
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.lens)
-
     def last_rows(self) -> torch.Tensor:
         """Flat row of each sequence's last new token (where next-token logits come from)."""
         return torch.tensor(self.lens).cumsum(0) - 1

@@ -89,20 +89,25 @@ def lookahead_search(a: np.ndarray, sps) -> np.ndarray:
     return best
 
 
-def capacity_from_confidences(a_two_steps_ago: np.ndarray, sps) -> int:
+def capacity_from_confidences(a_two_steps_ago: np.ndarray, sps, draft_seconds: float = 0.0) -> int:
     """Two-step rule: capacity K from the survivals of two steps ago.
 
     Global search over every K = 0..R*gamma on the real (jagged) SPS table, no early stop:
     with K draft tokens the best tau is R + (sum of the K largest survivals), which is prefix
-    closed because a falls along j. Theta(K) = (R + best_extra(K)) * SPS(R + K). Returns the
-    arg max (smallest K on ties). Lossless because K never sees the drafts it will admit.
+    closed because a falls along j. Theta(K) = (R + best_extra(K)) / step_seconds(K). Returns
+    the arg max (smallest K on ties). Lossless because K never sees the drafts it will admit.
+
+    draft_seconds: what drafting adds to a step for these R requests. K = 0 means "do not
+    draft at all", so only K > 0 pays it: Theta(0) = R * SPS(R) is plain decoding, and a
+    drafter that costs more than it saves loses to it.
     """
     a = _check_survival(a_two_steps_ago)
     num_requests = a.shape[0]
     best_extra = np.concatenate([[0.0], np.cumsum(np.sort(a.ravel())[::-1])])
     token_counts = num_requests + np.arange(best_extra.size)
     rates = np.broadcast_to(np.asarray(sps(token_counts), dtype=np.float64), token_counts.shape)
-    theta = (num_requests + best_extra) * rates
+    step_seconds = 1.0 / rates + np.where(token_counts > num_requests, max(float(draft_seconds), 0.0), 0.0)
+    theta = (num_requests + best_extra) / step_seconds
     return int(np.argmax(theta))  # argmax returns the first (smallest K) maximum
 
 

@@ -4,6 +4,11 @@ Capacity K for a step comes from the calibrated prefix survivals of two steps ea
 the scheduler service, which computes it off the critical path); the tokens admitted are the
 top-K current drafts by calibrated prefix survival. K never depends on the current drafts and a
 token never outranks its own prefix, so the output stays exactly the target's.
+
+K = 0 means drafting does not pay for itself (weak drafts, or a batch large enough that the
+target is compute-bound): the next steps skip the drafter entirely, plain decoding, except every
+`probe_every`-th step, whose drafts refresh the confidences K is computed from. Whether to draft
+is decided from older confidences only, so skipping cannot bias the output either.
 """
 from __future__ import annotations
 
@@ -16,11 +21,16 @@ from dspark.sched.prefix_scheduler import admit_top_k, capacity_from_confidences
 
 
 class ConfidencePolicy:
-    def __init__(self, sps, temperatures=None, static_k: int = 3, explore: float = 0.0, seed: int = 0):
-        """sps: callable B -> steps/s of the whole step; static_k: per-request draft tokens used
-        until two steps of confidences exist (and when no capacity is known); explore: share of
-        requests that verify their full block anyway, so low-confidence tails keep getting labels."""
-        self.sps = sps
+    def __init__(self, sps, temperatures=None, static_k: int = 3, explore: float = 0.0, seed: int = 0,
+                 draft_cost=None, probe_every: int = 16):
+        """sps: callable B -> steps/s of a step without drafting; draft_cost: callable R -> seconds
+        drafting adds for R requests (None: free); static_k: per-request draft tokens used until
+        two steps of confidences exist (and when no capacity is known); explore: share of requests
+        that verify their full block anyway, so low-confidence tails keep getting labels."""
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
+        self.sps, self.draft_cost, self.probe_every = sps, draft_cost, probe_every
+        self.skipped = 0  # steps in a row that skipped drafting
         self.temperatures = None if temperatures is None else np.asarray(temperatures, dtype=np.float64)
         self.static_k, self.explore = static_k, explore
         self.rng = np.random.default_rng(seed)
@@ -36,12 +46,31 @@ class ConfidencePolicy:
         conf = apply_sts(z, self.temperatures) if self.temperatures is not None else 1 / (1 + np.exp(-z))
         return prefix_survival(conf)
 
+    def _capacity_from(self, a: np.ndarray) -> int:
+        draft_seconds = float(self.draft_cost(a.shape[0])) if self.draft_cost is not None else 0.0
+        return capacity_from_confidences(a, self.sps, draft_seconds)
+
     def capacity(self, num_requests: int) -> int:
         if self.external_k is not None:
             return self.external_k
-        if len(self.history) == 2:
-            return capacity_from_confidences(self.history[0], self.sps)  # two steps old
+        if self.history:  # two drafts old once there are two (one draft old before that)
+            return self._capacity_from(self.history[0])
         return self.static_k * num_requests
+
+    def next_capacity(self, num_requests: int) -> int:
+        """K as the newest confidences (at least a step old) put it, for the skip decision."""
+        if self.external_k is not None:
+            return self.external_k
+        if self.history:
+            return self._capacity_from(self.history[-1])
+        return self.static_k * num_requests
+
+    def should_draft(self, num_requests: int) -> bool:
+        if self.next_capacity(num_requests) > 0:
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        return self.skipped % self.probe_every == 0  # a probe
 
     def lengths(self, block, caps: list[int]) -> list[int]:
         if block is None or block.conf_logits is None:  # no confidences: fixed length

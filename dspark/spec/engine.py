@@ -8,7 +8,8 @@ Per step, for the running batch:
   5. the KV cache rolls back to the accepted prefix; the drafter receives the target features
      of the newly decided positions before its next draft.
 A request that just arrived is prefilled in the same pass and sampled like plain decoding (a
-verification with zero drafts). If the drafter fails, the step verifies no drafts.
+verification with zero drafts). If the drafter fails, the step verifies no drafts. A policy
+may skip drafting for a step (`should_draft`), which then is plain decoding.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class StepReport:
     batch_tokens: int = 0
     seconds: float = 0.0
     draft_seconds: float = 0.0
+    drafted: bool = False  # whether the drafter ran this step (draft_seconds is its cost then)
     # Requests that had a draft block this step, verified or not (verified may be 0): the
     # capacity rule needs the confidences of the whole batch, calibration only the verified.
     req_ids: list[str] = field(default_factory=list)
@@ -83,6 +85,12 @@ class SpecEngine(Engine):
         caps = [self._cap(s) for s in seqs]
         if max(caps) == 0:
             return None, caps
+        # A seeded sampled request must replay exactly, so its verification length may not
+        # depend on other requests or on the scheduler's state: it verifies a fixed number.
+        seeded = [s.params.seed is not None and s.params.temperature > 0 for s in seqs]
+        fixed = self._seeded_length()
+        if not self.policy.should_draft(len(seqs)) and not (fixed and any(seeded)):
+            return None, [0] * len(seqs)
         try:
             for s in seqs:
                 self._sync_drafter(s)
@@ -93,13 +101,17 @@ class SpecEngine(Engine):
         except DrafterUnavailable:
             return None, [0] * len(seqs)
         lens = list(self.policy.lengths(block, caps))
-        # A seeded sampled request must replay exactly, so its verification length may not
-        # depend on other requests or on the scheduler's state: it verifies a fixed number.
-        fixed = getattr(self.policy, "k", None) or getattr(self.policy, "static_k", None) or self.drafter.gamma
-        for i, s in enumerate(seqs):
-            if s.params.seed is not None and s.params.temperature > 0:
+        for i in range(len(seqs)):
+            if seeded[i]:
                 lens[i] = min(caps[i], fixed)
         return block, lens
+
+    def _seeded_length(self) -> int:
+        """Drafts a seeded sampled request verifies: the policy's fixed or static K."""
+        for name in ("k", "static_k"):
+            if hasattr(self.policy, name):
+                return int(getattr(self.policy, name))
+        return 0
 
     def _cap(self, seq: Sequence) -> int:
         """Most drafts this request may verify: block size, its override, room left."""
@@ -147,7 +159,8 @@ class SpecEngine(Engine):
         num_acc, out_tokens = rejection_sample_auto(probs, draft_tokens, support_ids, support_probs,
                                                     draft_lens, u_acc, u_res)
 
-        report = StepReport(batch_size=len(seqs), batch_tokens=len(batch.tokens), draft_seconds=t_draft)
+        report = StepReport(batch_size=len(seqs), batch_tokens=len(batch.tokens), draft_seconds=t_draft,
+                            drafted=block is not None)
         events, first = [], 0
         for i, seq in enumerate(seqs):
             n_acc, n_head = int(num_acc[i]), len(heads[i])

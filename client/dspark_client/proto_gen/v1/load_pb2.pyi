@@ -15,8 +15,16 @@ class SpsPoint(_message.Message):
     steps_per_sec: float
     def __init__(self, batch_tokens: _Optional[int] = ..., steps_per_sec: _Optional[float] = ...) -> None: ...
 
+class DraftCostPoint(_message.Message):
+    __slots__ = ("requests", "seconds")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    seconds: float
+    def __init__(self, requests: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class VerifierLoad(_message.Message):
-    __slots__ = ("verifier_id", "running", "queued", "kv_use", "sps", "capacity", "calibration_version", "max_batch", "max_context_tokens", "model")
+    __slots__ = ("verifier_id", "running", "queued", "kv_use", "sps", "capacity", "calibration_version", "max_batch", "max_context_tokens", "model", "draft_cost")
     VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +35,7 @@ class VerifierLoad(_message.Message):
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COST_FIELD_NUMBER: _ClassVar[int]
     verifier_id: str
     running: int
     queued: int
@@ -37,7 +46,8 @@ class VerifierLoad(_message.Message):
     max_batch: int
     max_context_tokens: int
     model: str
-    def __init__(self, verifier_id: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_use: _Optional[float] = ..., sps: _Optional[_Iterable[_Union[SpsPoint, _Mapping]]] = ..., capacity: _Optional[int] = ..., calibration_version: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    draft_cost: _containers.RepeatedCompositeFieldContainer[DraftCostPoint]
+    def __init__(self, verifier_id: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_use: _Optional[float] = ..., sps: _Optional[_Iterable[_Union[SpsPoint, _Mapping]]] = ..., capacity: _Optional[int] = ..., calibration_version: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., model: _Optional[str] = ..., draft_cost: _Optional[_Iterable[_Union[DraftCostPoint, _Mapping]]] = ...) -> None: ...
 
 class Calibration(_message.Message):
     __slots__ = ("drafter_version", "version", "temperatures")

@@ -1,0 +1,196 @@
+"""Confidence-scheduled verification under load: tokens/s through the three services (drafter,
+verifier, scheduler as separate processes, gRPC) at each concurrency, for plain decoding,
+fixed k = 1, 3, 7 and the scheduler (two-step rule, DESIGN.md 1.4), in one run.
+
+    python benchmarks/concurrency.py [--concurrency 1 2 4 8 16 32] [--max-tokens 48]
+                                     [--requests-per-client 2] [--drafter DIR]
+
+Each concurrency level runs `c` client threads, each sending its requests one after another
+(closed loop), greedy, prompts from ../shared/datasets/eval (first turns). The drafter is the
+shipped DSpark checkpoint. Prints the table, checks that every configuration produced the same
+greedy text (lossless), writes benchmarks/results/concurrency.{json,png}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+OUT = REPO / "benchmarks" / "results"
+
+# name -> verifier flags (None: no drafter at all)
+CONFIGS = {
+    "no speculation": None,
+    "fixed k=1": dict(schedule="off", k=1),
+    "fixed k=3": dict(schedule="off", k=3),
+    "fixed k=7": dict(schedule="off", k=7),
+    "scheduler": dict(schedule="on", k=3),  # k: the fallback while the scheduler has not decided
+}
+
+
+def eval_prompts(count: int) -> list[str]:
+    from dspark.train.evaluate import DATASETS, load_eval_prompts
+
+    per = -(-count // len(DATASETS))
+    pools = [load_eval_prompts(name, per) for name in DATASETS]
+    return [pools[i % len(pools)][i // len(pools)] for i in range(count)]
+
+
+def run_level(address: str, concurrency: int, prompts: list[str], per_client: int, max_tokens: int) -> dict:
+    from dspark_client import Client, RetryPolicy
+
+    records, errors = [], []
+
+    def client_loop(c: int) -> None:
+        with Client(address, timeout=1800, retry=RetryPolicy(max_attempts=1)) as client:
+            for i in range(per_client):
+                index = (c * per_client + i) % len(prompts)
+                start = time.perf_counter()
+                try:
+                    result = client.generate(messages=[{"role": "user", "content": prompts[index]}],
+                                             max_tokens=max_tokens, temperature=0.0)
+                except Exception as error:  # reported after the level
+                    errors.append(error)
+                    return
+                records.append(dict(prompt=index, tokens=list(result.token_ids),
+                                    seconds=time.perf_counter() - start, steps=result.metrics.steps,
+                                    draft_tokens=result.metrics.draft_tokens,
+                                    accepted=result.metrics.accepted_tokens))
+
+    threads = [threading.Thread(target=client_loop, args=(c,)) for c in range(concurrency)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed at concurrency {concurrency}: {errors[0]}")
+    tokens = sum(len(r["tokens"]) for r in records)
+    steps = sum(r["steps"] for r in records)
+    return dict(concurrency=concurrency, total_tps=tokens / elapsed,
+                per_request_tps=statistics.mean(len(r["tokens"]) / r["seconds"] for r in records),
+                verified_per_step=sum(r["draft_tokens"] for r in records) / steps,
+                tau=(tokens / steps) if steps else 1.0, seconds=elapsed,
+                outputs={r["prompt"]: r["tokens"] for r in records})
+
+
+def run_config(name: str, flags: dict | None, drafter_addr: str, args, log_dir: Path, prompts) -> list[dict]:
+    from service_helpers import start_scheduler, start_verifier, wait_registered, wait_serving
+
+    scheduler, s_addr = start_scheduler(log_dir, [])
+    verifier, v_addr = start_verifier(args.model, log_dir, drafter_addr if flags is not None else "", s_addr,
+                                      max_batch=max(args.concurrency), max_len=1024, drafter_timeout_s=30,
+                                      **(flags or {}))
+    try:
+        for service, address in ((verifier, v_addr), (scheduler, s_addr)):
+            wait_serving(address, service, timeout=900)
+        wait_registered(s_addr, 1)
+        run_level(s_addr, 1, prompts, 1, 8)  # first-call allocations, not measured
+        rows = []
+        for c in args.concurrency:
+            row = run_level(s_addr, c, prompts, args.requests_per_client, args.max_tokens)
+            print(f"  {name:15} c={c:<3} {row['total_tps']:7.2f} tok/s total {row['per_request_tps']:6.2f} "
+                  f"per request  drafts/step {row['verified_per_step']:.2f}  tokens/step {row['tau']:.2f}",
+                  flush=True)
+            rows.append(row)
+        return rows
+    finally:
+        verifier.terminate(30)
+        scheduler.terminate(30)
+
+
+def plot(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, rows in results.items():
+        c = [r["concurrency"] for r in rows]
+        style = dict(marker="o", linewidth=2.5 if name == "scheduler" else 1.2)
+        axes[0].plot(c, [r["total_tps"] for r in rows], label=name, **style)
+        axes[1].plot(c, [r["per_request_tps"] for r in rows], label=name, **style)
+    for ax, what in zip(axes, ("total tokens/s", "tokens/s per request")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--drafter", default="", help="DSpark checkpoint dir (default: the shipped one)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--out", default=str(OUT / "concurrency"))
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    from dspark.generate import default_drafter_dir
+    from service_helpers import start_drafter, wait_serving
+
+    checkpoint = args.drafter or str(default_drafter_dir(args.model))
+    prompts = eval_prompts(max(args.concurrency) * args.requests_per_client)
+    log_dir = Path(tempfile.mkdtemp(prefix="concurrency-bench-"))
+    print(f"{args.model}, drafter {checkpoint}, {args.max_tokens} tokens per request, greedy, "
+          f"{args.requests_per_client} requests per client; service logs in {log_dir}", flush=True)
+    drafter, d_addr = start_drafter(args.model, log_dir, checkpoint=checkpoint, gamma=7, num_layers=2)
+    results = {}
+    try:
+        wait_serving(d_addr, drafter, timeout=900)
+        for name in args.configs:
+            print(f"{name}:", flush=True)
+            results[name] = run_config(name, CONFIGS[name], d_addr, args, log_dir, prompts)
+    finally:
+        drafter.terminate(30)
+
+    names = list(results)
+    reference = results[names[0]]
+    identical = all(row["outputs"] == ref["outputs"] for name in names for row, ref in zip(results[name], reference))
+    print(f"\ntotal tokens/s (per-request tokens/s), OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
+    print(f"{'concurrency':>11} " + " ".join(f"{n:>18}" for n in names))
+    for i, c in enumerate(args.concurrency):
+        cells = [f"{results[n][i]['total_tps']:8.2f} ({results[n][i]['per_request_tps']:5.2f})" for n in names]
+        print(f"{c:>11} " + " ".join(f"{cell:>18}" for cell in cells))
+    if "scheduler" in results:
+        others = [n for n in names if n != "scheduler"]
+        print("\nscheduler / best other, scheduler / no speculation (total tokens/s):")
+        for i, c in enumerate(args.concurrency):
+            sched = results["scheduler"][i]["total_tps"]
+            best = max(others, key=lambda n: results[n][i]["total_tps"])
+            line = f"  c={c:<3} {sched / results[best][i]['total_tps']:.3f} (best other: {best})"
+            if "no speculation" in results:
+                line += f"  {sched / results['no speculation'][i]['total_tps']:.3f}"
+            print(line)
+    print(f"identical greedy outputs across configurations: {identical}")
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary = {n: [{k: v for k, v in row.items() if k != "outputs"} for row in rows] for n, rows in results.items()}
+    out.with_suffix(".json").write_text(json.dumps(dict(model=args.model, drafter=checkpoint,
+                                                        max_tokens=args.max_tokens, identical_outputs=identical,
+                                                        results=summary), indent=1))
+    plot(results, out.with_suffix(".png"),
+         f"{args.model} + DSpark through the services ({args.max_tokens} tokens/request, greedy)")
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
