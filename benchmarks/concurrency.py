@@ -6,7 +6,7 @@ fixed k = 1, 3, 7 and the scheduler (two-step rule, DESIGN.md 1.4), in one run.
                                      [--requests-per-client 2] [--drafter DIR]
 
 Each concurrency level runs `c` client threads, each sending its requests one after another
-(closed loop), greedy, prompts from ../shared/datasets/eval (first turns). The drafter is the
+(closed loop), after an unmeasured warm-up round at the same concurrency; greedy, prompts from ../shared/datasets/eval (first turns). The drafter is the
 shipped DSpark checkpoint. Prints the table, checks that every configuration produced the same
 greedy text (lossless), writes benchmarks/results/concurrency.{json,png}.
 """
@@ -97,6 +97,8 @@ def run_config(name: str, flags: dict | None, drafter_addr: str, args, log_dir: 
         run_level(s_addr, 1, prompts, 1, 8)  # first-call allocations, not measured
         rows = []
         for c in args.concurrency:
+            # Unmeasured warm-up at this concurrency, so the scheduler's K reflects the new load.
+            run_level(s_addr, c, prompts, 1, args.max_tokens // 3)
             row = run_level(s_addr, c, prompts, args.requests_per_client, args.max_tokens)
             print(f"  {name:15} c={c:<3} {row['total_tps']:7.2f} tok/s total {row['per_request_tps']:6.2f} "
                   f"per request  drafts/step {row['verified_per_step']:.2f}  tokens/step {row['tau']:.2f}",

@@ -154,11 +154,16 @@ def main():
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    names = [f"{n}\nbatch {bt}" for n, bt in results]
-    a.bar(names, list(results.values()), color="tab:blue")
+    engines = list(dict.fromkeys(name for name, _ in results))
+    batches = sorted({batch for _, batch in results})
+    width = 0.8 / len(engines)
+    for i, name in enumerate(engines):
+        xs = [j + i * width for j, batch in enumerate(batches) if (name, batch) in results]
+        a.bar(xs, [results[(name, batch)] for batch in batches if (name, batch) in results], width, label=name)
+    a.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
     a.set_ylabel("tokens/s")
-    a.set_title("Plain decoding, SmolLM2-135M (CPU)")
-    a.tick_params(axis="x", labelsize=7)
+    a.set_title(f"Plain decoding, SmolLM2-135M ({torch.get_num_threads()} CPU threads)")
+    a.legend()
     b.plot([n for n, _ in curve], [s * 1e3 for _, s in curve], marker="o")
     b.set_xscale("log", base=2)
     b.set_xlabel("new tokens in the pass (512-token context)")

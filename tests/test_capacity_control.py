@@ -163,11 +163,12 @@ def test_k_zero_skips_the_drafter_but_probes_and_expires():
                              clock=clock, probe_every=4)
     assert policy.should_draft(3)  # no decision yet: the static K drafts
     policy.apply(load_pb2.Capacity(k=0, decided=True))
-    pattern = [policy.should_draft(3) for _ in range(8)]
-    assert pattern == [False, False, False, True] * 2  # a probe every 4th step
+    probes = [i + 1 for i in range(60) if policy.should_draft(3)]
+    assert probes == [4, 12, 28, 44, 60]  # after 4 skipped steps, then 8, then 16 (4 x 4) at most
     assert policy.last_k == 0
     # The scheduler goes silent: skipped steps count towards its K's expiry like drafted ones.
+    policy.apply(load_pb2.Capacity(k=0, decided=True))  # a fresh K = 0 ...
     clock.now = 5.0
-    for _ in range(25):  # 19 skipped: 25 steps since the K in all (probes count in lengths())
+    for _ in range(25):  # ... then silence: 25 steps, 24 skipped (probes count in lengths())
         policy.should_draft(3)
     assert policy.should_draft(3) and not policy.from_scheduler and policy.capacity(3) == 6

@@ -35,7 +35,7 @@ class SchedulerReporter:
     def on_step(self, step_report, drafter_version: str = "") -> None:
         """Engine thread: remember the step (deque.append is thread-safe)."""
         self._steps += 1
-        if step_report.batch_size:
+        if step_report.req_ids:  # steps with drafts only: the others carry no labels or confidences
             self.reports.append((self._steps, step_report, drafter_version))
 
     def start(self) -> None:

@@ -8,7 +8,7 @@ GENERATED_TOKENS = Counter("dspark_generated_tokens", "Tokens generated and stre
 NUM_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Verified draft blocks (steps of a request with drafts)")
 NUM_DRAFT_TOKENS = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified")
 NUM_ACCEPTED = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted")
-ACCEPTED_PER_POS = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position",
+ACCEPTED_PER_POS = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by block position (0-based, as vLLM; dspark_calibration_ece is 1-based)",
                            ["position"])
 STEP_LATENCY = Histogram("dspark_step_latency_seconds", "Verifier step latency", ["batch_tokens_bucket"],
                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
@@ -18,6 +18,8 @@ CAPACITY_K = Gauge("dspark_capacity_k", "Capacity K in force: draft tokens the n
                    "(confidence-scheduled) or per request (fixed K)")
 CAPACITY_FROM_SCHEDULER = Gauge("dspark_capacity_from_scheduler",
                                 "1 while the scheduler's K is in force, 0 on the static default (--k)")
+DRAFT_SKIPPED_STEPS = Counter("dspark_draft_skipped_steps", "Decode steps that skipped the drafter (K = 0: plain "
+                              "decoding, drafting would cost more than it saves)")
 VERIFIED_PER_REQUEST = Histogram("dspark_verified_tokens_per_request", "Draft tokens verified per request per step",
                                  buckets=(0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16))
 SPS_POINTS = Gauge("dspark_sps_table_points", "Batch-token counts with a measured step time in the SPS table")

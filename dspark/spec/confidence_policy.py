@@ -6,9 +6,11 @@ top-K current drafts by calibrated prefix survival. K never depends on the curre
 token never outranks its own prefix, so the output stays exactly the target's.
 
 K = 0 means drafting does not pay for itself (weak drafts, or a batch large enough that the
-target is compute-bound): the next steps skip the drafter entirely, plain decoding, except every
-`probe_every`-th step, whose drafts refresh the confidences K is computed from. Whether to draft
-is decided from older confidences only, so skipping cannot bias the output either.
+target is compute-bound): the next steps skip the drafter entirely, plain decoding, except for a
+probe after `probe_every` skipped steps, whose drafts refresh the confidences K is computed from.
+While probes keep finding K = 0 the gap between them doubles, up to 4 x probe_every, so a
+steady "no" costs little; any K > 0 resets it. Whether to draft is decided from older
+confidences only, so skipping cannot bias the output either.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ class ConfidencePolicy:
         if probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.sps, self.draft_cost, self.probe_every = sps, draft_cost, probe_every
-        self.skipped = 0  # steps in a row that skipped drafting
+        self.skipped = 0  # steps skipped since the last draft
+        self.probe_interval = probe_every  # skipped steps before the next probe
         self.temperatures = None if temperatures is None else np.asarray(temperatures, dtype=np.float64)
         self.static_k, self.explore = static_k, explore
         self.rng = np.random.default_rng(seed)
@@ -66,11 +69,15 @@ class ConfidencePolicy:
         return self.static_k * num_requests
 
     def should_draft(self, num_requests: int) -> bool:
-        if self.next_capacity(num_requests) > 0:
-            self.skipped = 0
+        if self.probe_every == 1 or self.next_capacity(num_requests) > 0:
+            self.skipped, self.probe_interval = 0, self.probe_every
             return True
         self.skipped += 1
-        return self.skipped % self.probe_every == 0  # a probe
+        if self.skipped < self.probe_interval:
+            return False
+        self.skipped = 0  # a probe; should it find K = 0 again, the next one waits longer
+        self.probe_interval = min(2 * self.probe_interval, 4 * self.probe_every)
+        return True
 
     def lengths(self, block, caps: list[int]) -> list[int]:
         if block is None or block.conf_logits is None:  # no confidences: fixed length
