@@ -2,11 +2,15 @@
 verifier, scheduler as separate processes, gRPC) at each concurrency, for plain decoding,
 fixed k = 1, 3, 7 and the scheduler (two-step rule, DESIGN.md 1.4), in one run.
 
-    python benchmarks/concurrency.py [--concurrency 1 2 4 8 16 32] [--max-tokens 48]
-                                     [--requests-per-client 2] [--drafter DIR]
+    python benchmarks/concurrency.py [--concurrency 1 2 4 8 16 32] [--max-tokens 32]
+                                     [--requests-per-client 1] [--repeats 3] [--drafter DIR]
 
-Each concurrency level runs `c` client threads, each sending its requests one after another
-(closed loop), after an unmeasured warm-up round at the same concurrency; greedy, prompts from ../shared/datasets/eval (first turns). The drafter is the
+All configurations run at once, each as its own scheduler + verifier (sharing one drafter
+service), so they are measured side by side. Every stack first serves some traffic unmeasured
+(steady state: the online calibration and the live SPS tables have learned); then each
+concurrency level warms every stack up at that load (unmeasured), then runs `--repeats` rounds
+over the stacks in rotating order and keeps each stack's median round. A round is `c` client threads, each sending its requests one after another
+(closed loop); greedy, prompts from ../shared/datasets/eval (first turns). The drafter is the
 shipped DSpark checkpoint. Prints the table, checks that every configuration produced the same
 greedy text (lossless), writes benchmarks/results/concurrency.{json,png}.
 """
@@ -83,31 +87,53 @@ def run_level(address: str, concurrency: int, prompts: list[str], per_client: in
                 outputs={r["prompt"]: r["tokens"] for r in records})
 
 
-def run_config(name: str, flags: dict | None, drafter_addr: str, args, log_dir: Path, prompts) -> list[dict]:
+def start_stack(name: str, flags: dict | None, drafter_addr: str, args, log_dir: Path):
+    """One scheduler + one verifier for a configuration (the scheduler routes to that verifier only)."""
     from service_helpers import start_scheduler, start_verifier, wait_registered, wait_serving
 
     scheduler, s_addr = start_scheduler(log_dir, [])
     verifier, v_addr = start_verifier(args.model, log_dir, drafter_addr if flags is not None else "", s_addr,
                                       max_batch=max(args.concurrency), max_len=1024, drafter_timeout_s=30,
                                       **(flags or {}))
+    services = [verifier, scheduler]
     try:
         for service, address in ((verifier, v_addr), (scheduler, s_addr)):
-            wait_serving(address, service, timeout=900)
+            wait_serving(address, service, timeout=900)  # one at a time: the SPS warm-up runs alone
         wait_registered(s_addr, 1)
-        run_level(s_addr, 1, prompts, 1, 8)  # first-call allocations, not measured
-        rows = []
-        for c in args.concurrency:
-            # Unmeasured warm-up at this concurrency, so the scheduler's K reflects the new load.
-            run_level(s_addr, c, prompts, 1, args.max_tokens // 3)
-            row = run_level(s_addr, c, prompts, args.requests_per_client, args.max_tokens)
-            print(f"  {name:15} c={c:<3} {row['total_tps']:7.2f} tok/s total {row['per_request_tps']:6.2f} "
-                  f"per request  drafts/step {row['verified_per_step']:.2f}  tokens/step {row['tau']:.2f}",
-                  flush=True)
-            rows.append(row)
-        return rows
-    finally:
-        verifier.terminate(30)
-        scheduler.terminate(30)
+        run_level(s_addr, 1, ["Hi"], 1, 8)  # first-call allocations, not measured
+    except BaseException:
+        for service in services:
+            service.terminate(30)
+        raise
+    print(f"  {name}: up", flush=True)
+    return services, s_addr
+
+
+def measure(stacks: dict, args, prompts) -> dict[str, list[dict]]:
+    """Per concurrency: an unmeasured warm-up on every stack (the scheduler's K follows the new
+    load), then `repeats` rounds over the stacks in rotating order; the median round counts."""
+    results = {name: [] for name in stacks}
+    names = list(stacks)
+    # A stack's first minutes are not its steady state: the scheduler's online calibration and
+    # each verifier's live SPS / draft-cost tables learn from traffic. Serve some first, unmeasured.
+    for name in names:
+        run_level(stacks[name], args.warmup_concurrency, prompts, args.warmup_requests, args.max_tokens)
+    print("  warmed up", flush=True)
+    for c in args.concurrency:
+        for name in names:
+            run_level(stacks[name], c, prompts, 1, args.max_tokens // 3)
+        rounds = {name: [] for name in names}
+        for r in range(args.repeats):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                rounds[name].append(run_level(stacks[name], c, prompts, args.requests_per_client, args.max_tokens))
+        for name in names:
+            row = sorted(rounds[name], key=lambda x: x["total_tps"])[len(rounds[name]) // 2]
+            row["spread"] = (min(x["total_tps"] for x in rounds[name]), max(x["total_tps"] for x in rounds[name]))
+            results[name].append(row)
+            print(f"  {name:15} c={c:<3} {row['total_tps']:7.2f} tok/s total (rounds {row['spread'][0]:.2f}-"
+                  f"{row['spread'][1]:.2f}) {row['per_request_tps']:6.2f} per request  drafts/step "
+                  f"{row['verified_per_step']:.2f}  tokens/step {row['tau']:.2f}", flush=True)
+    return results
 
 
 def plot(results: dict, path: Path, title: str) -> None:
@@ -138,8 +164,11 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--drafter", default="", help="DSpark checkpoint dir (default: the shipped one)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    ap.add_argument("--requests-per-client", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--requests-per-client", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="measured rounds per configuration and concurrency")
+    ap.add_argument("--warmup-concurrency", type=int, default=4)
+    ap.add_argument("--warmup-requests", type=int, default=6, help="per client, before any measurement")
+    ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--out", default=str(OUT / "concurrency"))
     args = ap.parse_args(argv)
@@ -154,14 +183,17 @@ def main(argv=None) -> None:
     print(f"{args.model}, drafter {checkpoint}, {args.max_tokens} tokens per request, greedy, "
           f"{args.requests_per_client} requests per client; service logs in {log_dir}", flush=True)
     drafter, d_addr = start_drafter(args.model, log_dir, checkpoint=checkpoint, gamma=7, num_layers=2)
-    results = {}
+    services, stacks = [drafter], {}
     try:
         wait_serving(d_addr, drafter, timeout=900)
         for name in args.configs:
-            print(f"{name}:", flush=True)
-            results[name] = run_config(name, CONFIGS[name], d_addr, args, log_dir, prompts)
+            stack, s_addr = start_stack(name, CONFIGS[name], d_addr, args, log_dir)
+            services += stack
+            stacks[name] = s_addr
+        results = measure(stacks, args, prompts)
     finally:
-        drafter.terminate(30)
+        for service in reversed(services):
+            service.terminate(30)
 
     names = list(results)
     reference = results[names[0]]
@@ -177,7 +209,9 @@ def main(argv=None) -> None:
         for i, c in enumerate(args.concurrency):
             sched = results["scheduler"][i]["total_tps"]
             best = max(others, key=lambda n: results[n][i]["total_tps"])
-            line = f"  c={c:<3} {sched / results[best][i]['total_tps']:.3f} (best other: {best})"
+            overlap = results["scheduler"][i]["spread"][1] >= results[best][i]["spread"][0]
+            line = (f"  c={c:<3} {sched / results[best][i]['total_tps']:.3f} (best other: {best}; "
+                    f"rounds overlap: {'yes' if overlap else 'no'})")
             if "no speculation" in results:
                 line += f"  {sched / results['no speculation'][i]['total_tps']:.3f}"
             print(line)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from dspark.drafters import DrafterConfig, build_drafter
-from dspark.drafters.checkpoint import load_config, load_drafter
+from dspark.drafters.checkpoint import load_calibration, load_config, load_drafter
 from dspark.models.config import spread_layers
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.proto_gen.v1 import drafter_pb2_grpc
@@ -67,8 +67,11 @@ async def serve(args) -> None:
     app = GrpcApp("drafter", args, [(drafter_pb2_grpc.add_DrafterServicer_to_server, service, "dspark.v1.Drafter")])
     await app.start()
     service.drafter, service.target_model = await asyncio.to_thread(load, args)
-    log.info("drafter %s (version %s, gamma %d, layers %s) for %s", service.drafter.kind, service.drafter.version,
-             service.drafter.gamma, service.drafter.ctx_layers, service.target_model)
+    if args.checkpoint and service.drafter.has_confidence:
+        service.sts_temperatures = load_calibration(args.checkpoint, service.drafter.version)
+    log.info("drafter %s (version %s, gamma %d, layers %s) for %s; shipped STS temperatures: %s",
+             service.drafter.kind, service.drafter.version, service.drafter.gamma, service.drafter.ctx_layers,
+             service.target_model, service.sts_temperatures)
     await app.set_serving()
     await app.wait_for_termination()
     service.executor.shutdown(wait=False)

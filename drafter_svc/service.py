@@ -8,10 +8,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import torch
 
 from dspark.proto_gen.v1 import drafter_pb2, drafter_pb2_grpc
 from dspark.serving import metrics, tracing
-from dspark.wire import WireError
+from dspark.wire import WireError, tensor_to_proto
 from drafter_svc.contexts import answer
 
 log = logging.getLogger(__name__)
@@ -21,6 +22,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def __init__(self):
         self.drafter = None  # set once loaded; until then calls answer UNAVAILABLE
         self.target_model = ""
+        self.sts_temperatures: list[float] | None = None  # shipped offline STS fit, if any
         # One worker: the drafter module and its context cache are not thread-safe, and one
         # CPU/GPU stream serves the batched draft calls of all verifiers in turn anyway.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="drafter")
@@ -34,9 +36,12 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if self.drafter is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is still loading")
         d = self.drafter
-        return drafter_pb2.DrafterInfoResponse(
+        info = drafter_pb2.DrafterInfoResponse(
             kind=d.kind, version=d.version, gamma=d.gamma, target_layers=d.ctx_layers,
             hidden_size=d.cfg.hidden_size, target_model=self.target_model, has_confidence=d.has_confidence)
+        if self.sts_temperatures is not None:
+            info.sts_temperatures.CopyFrom(tensor_to_proto(torch.tensor(self.sts_temperatures, dtype=torch.float32)))
+        return info
 
     async def DraftStream(self, request_iterator, context):
         if self.drafter is None:

@@ -194,6 +194,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.registry = registry
         self.planner = planner or CapacityPlanner()
         self.calibrator = calibrator
+        self.priors: dict[str, np.ndarray] = {}  # drafter version -> its shipped STS temperatures
 
     def _capacity(self, verifier_id: str, drafter_version: str = "") -> load_pb2.Capacity:
         """K by the two-step rule once this verifier reported confidences (decided=False: keep
@@ -208,12 +209,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return capacity
 
     def _temperatures(self, drafter_version: str):
+        """The online fit's temperatures, else the drafter's shipped ones, else None (T = 1)."""
         fit = self.calibrator.fits.get(drafter_version) if self.calibrator else None
-        return None if fit is None else fit.temperatures
+        return self.priors.get(drafter_version) if fit is None else fit.temperatures
 
     async def RegisterVerifier(self, request, context):
         if not request.address or not request.load.verifier_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address and load.verifier_id are required")
+        if request.HasField("sts_temperatures"):
+            try:
+                prior = tensor_from_proto(request.sts_temperatures, torch.float32, (request.gamma,)).double().numpy()
+            except WireError as error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sts_temperatures: {error}")
+            if not np.all(prior > 0):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sts_temperatures must be positive")
+            self.priors[request.drafter_version] = prior
         record = record_from_load(request.load)
         record.update(address=request.address, model=request.model or record["model"],
                       drafter_kind=request.drafter_kind, drafter_version=request.drafter_version, gamma=request.gamma)

@@ -172,3 +172,23 @@ def test_k_zero_skips_the_drafter_but_probes_and_expires():
     for _ in range(25):  # ... then silence: 25 steps, 24 skipped (probes count in lengths())
         policy.should_draft(3)
     assert policy.should_draft(3) and not policy.from_scheduler and policy.capacity(3) == 6
+
+
+def test_shipped_temperatures_until_the_online_fit(tmp_path):
+    import json
+
+    from dspark.drafters.checkpoint import load_calibration
+    from verifier_svc.capacity_control import CapacityControl
+
+    (tmp_path / "calibration.json").write_text(json.dumps({"temperatures": [0.5, 1.0, 2.0, 3.0],
+                                                           "drafter_version": "v1"}))
+    assert load_calibration(tmp_path, "v1") == [0.5, 1.0, 2.0, 3.0]
+    assert load_calibration(tmp_path, "v2") is None  # fitted for another checkpoint
+    assert load_calibration(tmp_path / "nowhere", "v1") is None
+    shipped = np.array([0.5, 1.0, 2.0, 3.0])
+    control = CapacityControl()
+    policy = control.make_policy(SimpleNamespace(gamma=4, version="v1", sts_temperatures=shipped), static_k=1)
+    np.testing.assert_array_equal(policy.temperatures, shipped)
+    np.testing.assert_allclose(policy.calibrated_survival(LOGITS), np.cumprod(apply_sts(np.array(LOGITS), shipped), 1))
+    policy.apply(load_pb2.Capacity(decided=False, calibration=calibration(1, [2.0, 2.0, 2.0, 2.0])))
+    np.testing.assert_array_equal(policy.temperatures, [2.0, 2.0, 2.0, 2.0])  # the online fit replaces it

@@ -202,3 +202,30 @@ def test_malformed_confidences_are_refused(schedulers):
         with pytest.raises(grpc.RpcError) as error:
             stub.ReportStep(worse, timeout=RPC_S)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_shipped_temperatures_are_the_prior_until_an_online_fit(schedulers):
+    from dspark.proto_gen.v1 import tensor_pb2
+
+    def registration(verifier_id: str, temps) -> scheduler_pb2.RegisterVerifierRequest:
+        temps = np.ascontiguousarray(temps, dtype="<f4")
+        return scheduler_pb2.RegisterVerifierRequest(
+            address="127.0.0.1:9", model="synthetic", drafter_kind="dspark", drafter_version="shipped-prior-v1",
+            gamma=GAMMA, load=load(verifier_id), sts_temperatures=tensor_pb2.Tensor(
+                dtype=tensor_pb2.DTYPE_F32, shape=[temps.size], data=temps.tobytes()))
+
+    prior = np.full(GAMMA, 4.0)  # very soft: confident raw logits count for much less
+    logits = np.full((4, GAMMA), 2.0)
+    with grpc.insecure_channel(schedulers[0][0]) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        stub.RegisterVerifier(registration("synthetic-prior", prior), timeout=RPC_S)
+        step = report("synthetic-prior", 1, logits, [0] * 4, [0] * 4)
+        step.drafter_version = "shipped-prior-v1"
+        reply = stub.ReportStep(step, timeout=RPC_S)
+        assert reply.decided and reply.k == capacity_for(logits, prior, sps_table(SPS))
+        assert reply.k != capacity_for(logits, None, sps_table(SPS))  # the prior made a difference
+        assert not reply.HasField("calibration")  # no online fit to push yet
+        for bad in (np.ones(GAMMA + 1), np.zeros(GAMMA)):  # wrong length, not positive
+            with pytest.raises(grpc.RpcError) as error:
+                stub.RegisterVerifier(registration("synthetic-bad-prior", bad), timeout=RPC_S)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT

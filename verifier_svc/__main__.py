@@ -111,6 +111,8 @@ async def serve(args) -> None:
         register = scheduler_pb2.RegisterVerifierRequest(
             address=args.advertise_addr, model=loaded.name, drafter_kind=drafter.kind if drafter else "",
             drafter_version=drafter.version if drafter else "", gamma=drafter.gamma if drafter else 0)
+        if drafter is not None and drafter.info.HasField("sts_temperatures"):
+            register.sts_temperatures.CopyFrom(drafter.info.sts_temperatures)
         reporter = SchedulerReporter(args.scheduler_addr, register, load_fn, set_capacity,
                                      interval_s=args.report_interval_s)
 

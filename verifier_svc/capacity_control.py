@@ -20,6 +20,11 @@ from verifier_svc.sps_profile import LiveSps, warmup_profile
 log = logging.getLogger(__name__)
 
 
+def shipped_temperatures(drafter):
+    """The drafter checkpoint's offline STS fit (calibration.json), or None (T = 1)."""
+    return getattr(drafter, "sts_temperatures", None)
+
+
 class CapacityControl:
     def __init__(self, explore: float = 0.0, ttl_steps: int = 100, ttl_s: float = 5.0, warmup_s: float = 10.0,
                  probe_every: int = 16):
@@ -42,6 +47,7 @@ class CapacityControl:
             self.policy = ScheduledPolicy(self.sps, static_k, drafter.gamma, drafter.version, self.explore,
                                           self.ttl_steps, self.ttl_s, probe_every=self.probe_every)
             self.policy.last_k = static_k
+            self.policy.temperatures = shipped_temperatures(drafter)  # until the online fit arrives
         return self.policy
 
     async def warmup(self, engine, max_batch: int) -> None:
@@ -86,6 +92,7 @@ class CapacityControl:
         if isinstance(policy, ScheduledPolicy):
             if self.drafter.version != policy.drafter_version:  # a new checkpoint: its own calibration
                 log.info("drafter version %s -> %s: temperatures reset", policy.drafter_version, self.drafter.version)
-                policy.drafter_version, policy.temperatures, policy.calibration_version = self.drafter.version, None, 0
+                policy.drafter_version, policy.calibration_version = self.drafter.version, 0
+                policy.temperatures = shipped_temperatures(self.drafter)
             metrics.CAPACITY_K.set(self.k_in_force)
             metrics.CAPACITY_FROM_SCHEDULER.set(int(policy.from_scheduler))

@@ -155,6 +155,19 @@ class RemoteDrafter:
     def has_confidence(self) -> bool:
         return self.info.has_confidence
 
+    @property
+    def sts_temperatures(self):
+        """The checkpoint's shipped STS temperatures (float64 [gamma]), None if it has none."""
+        info = self.info
+        if not info.HasField("sts_temperatures"):
+            return None
+        try:
+            temps = tensor_from_proto(info.sts_temperatures, torch.float32, (info.gamma,)).double().numpy()
+        except WireError as error:
+            log.warning("ignoring the drafter's shipped STS temperatures: %s", error)
+            return None
+        return temps if (temps > 0).all() else None
+
     # ---- context bookkeeping: buffered, sent with the next draft ---------------------------
     def context_len(self, req_id: str) -> int:
         pending = self._pending.get(req_id)

@@ -45,3 +45,15 @@ def load_drafter(directory: str | Path, embed_weight: torch.Tensor, lm_head_weig
     drafter = build_drafter(cfg, embed_weight, lm_head_weight, draft_vocab=state["draft_vocab"])
     drafter.load_state_dict({k: (v.float() if v.is_floating_point() else v) for k, v in state.items()})
     return drafter.eval()
+
+
+def load_calibration(directory: str | Path, version: str) -> list[float] | None:
+    """The offline STS temperatures shipped next to the checkpoint (calibration.json, written by
+    `python -m dspark.train.calibrate`), or None: absent, or fitted for another drafter version."""
+    path = Path(directory) / "calibration.json"
+    if not path.exists():
+        return None
+    raw = json.loads(path.read_text())
+    if raw.get("drafter_version") != version:
+        return None
+    return [float(t) for t in raw["temperatures"]]

@@ -73,7 +73,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfoResponse(_message.Message):
-    __slots__ = ("kind", "version", "gamma", "target_layers", "hidden_size", "target_model", "has_confidence")
+    __slots__ = ("kind", "version", "gamma", "target_layers", "hidden_size", "target_model", "has_confidence", "sts_temperatures")
     KIND_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class DrafterInfoResponse(_message.Message):
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     HAS_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    STS_TEMPERATURES_FIELD_NUMBER: _ClassVar[int]
     kind: str
     version: str
     gamma: int
@@ -88,4 +89,5 @@ class DrafterInfoResponse(_message.Message):
     hidden_size: int
     target_model: str
     has_confidence: bool
-    def __init__(self, kind: _Optional[str] = ..., version: _Optional[str] = ..., gamma: _Optional[int] = ..., target_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., target_model: _Optional[str] = ..., has_confidence: _Optional[bool] = ...) -> None: ...
+    sts_temperatures: _tensor_pb2.Tensor
+    def __init__(self, kind: _Optional[str] = ..., version: _Optional[str] = ..., gamma: _Optional[int] = ..., target_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., target_model: _Optional[str] = ..., has_confidence: _Optional[bool] = ..., sts_temperatures: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...

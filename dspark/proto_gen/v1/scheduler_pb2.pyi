@@ -9,20 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterVerifierRequest(_message.Message):
-    __slots__ = ("address", "model", "drafter_kind", "drafter_version", "gamma", "load")
+    __slots__ = ("address", "model", "drafter_kind", "drafter_version", "gamma", "load", "sts_temperatures")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_KIND_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    STS_TEMPERATURES_FIELD_NUMBER: _ClassVar[int]
     address: str
     model: str
     drafter_kind: str
     drafter_version: str
     gamma: int
     load: _load_pb2.VerifierLoad
-    def __init__(self, address: _Optional[str] = ..., model: _Optional[str] = ..., drafter_kind: _Optional[str] = ..., drafter_version: _Optional[str] = ..., gamma: _Optional[int] = ..., load: _Optional[_Union[_load_pb2.VerifierLoad, _Mapping]] = ...) -> None: ...
+    sts_temperatures: _tensor_pb2.Tensor
+    def __init__(self, address: _Optional[str] = ..., model: _Optional[str] = ..., drafter_kind: _Optional[str] = ..., drafter_version: _Optional[str] = ..., gamma: _Optional[int] = ..., load: _Optional[_Union[_load_pb2.VerifierLoad, _Mapping]] = ..., sts_temperatures: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("load",)
