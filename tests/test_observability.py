@@ -78,7 +78,9 @@ def cluster(tmp_path_factory, collector):
         drafter, d_addr = start_drafter(target, tmp, metrics_port=ports["drafter"])
         scheduler, s_addr = start_scheduler(tmp, [], metrics_port=ports["scheduler"])
         services += [drafter, scheduler]
-        verifier, v_addr = start_verifier(target, tmp, d_addr, s_addr, metrics_port=ports["verifier"])
+        # A draft every step: on the tiny target drafting never pays, and K = 0 would skip it.
+        verifier, v_addr = start_verifier(target, tmp, d_addr, s_addr, metrics_port=ports["verifier"],
+                                          draft_probe_every=1)
         services.append(verifier)
         for service, address in ((drafter, d_addr), (scheduler, s_addr), (verifier, v_addr)):
             wait_serving(address, service, timeout=120)

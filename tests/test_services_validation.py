@@ -23,9 +23,11 @@ def cluster(tmp_path_factory):
     path = str(write_tiny_target(tmp_path_factory.mktemp("tiny") / "tiny"))
     drafter, d_addr = start_drafter(path, logs)
     scheduler, s_addr = start_scheduler(logs, [], redis_url="redis://127.0.0.1:6379/0", max_message_mb=1)
-    # explore=1: every request verifies its full block whatever K the scheduler picks, so the
-    # checks below can see the drafter at work.
-    verifier, v_addr = start_verifier(path, logs, d_addr, s_addr, max_len=MAX_LEN, default_max_tokens=20, explore=1.0)
+    # explore=1 and a draft every step: every request verifies its full block whatever K the
+    # scheduler picks (on a tiny target drafting never pays, so K = 0 would skip the drafter),
+    # so the checks below can see the drafter at work.
+    verifier, v_addr = start_verifier(path, logs, d_addr, s_addr, max_len=MAX_LEN, default_max_tokens=20, explore=1.0,
+                                      draft_probe_every=1)
     try:
         for service, address in ((drafter, d_addr), (scheduler, s_addr), (verifier, v_addr)):
             wait_serving(address, service)
