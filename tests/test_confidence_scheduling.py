@@ -48,7 +48,7 @@ def cluster(target, tmp_path_factory):
     metrics_ports = {"scheduler": free_port(), "verifier": free_port()}
     drafter, d_addr = start_drafter(path, logs)
     scheduler, s_addr = start_scheduler(logs, [], redis_url=redis_server.url, metrics_port=metrics_ports["scheduler"],
-                                        calibration_refit_s=1, calibration_min_samples=50)
+                                        calibration_refit_s=1, calibration_min_samples=20)
     services = [drafter, scheduler]
     try:
         wait_serving(d_addr, drafter, timeout=600)
@@ -111,7 +111,7 @@ def test_scheduler_capacity_drives_verification_and_output_stays_greedy(target, 
     # The labels went into Redis and the refitted temperatures came back to the verifier.
     client = cluster["redis"].client()
     assert client.exists("dspark:calibration:random-dspark-0:bins")
-    wait_until(lambda: get_load(v_addr).calibration_version >= 1, 120, what="temperatures at the verifier")
+    wait_until(lambda: get_load(v_addr).calibration_version >= 1, 240, what="temperatures at the verifier")
     assert int(client.hget("dspark:calibration:random-dspark-0:sts", "version")) >= 1
     verifier_metrics = scrape(cluster["metrics"]["verifier"])
     assert verifier_metrics["dspark_verified_tokens_per_request_count"] > 0
