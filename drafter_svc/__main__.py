@@ -16,7 +16,9 @@ from dspark.drafters.checkpoint import load_calibration, load_config, load_draft
 from dspark.models.config import spread_layers
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.proto_gen.v1 import drafter_pb2_grpc
-from dspark.serving.config import common_parser, env
+from dspark.serving.config import add_precision_flag, common_parser, env
+from dspark.models.precision import apply_precision
+from dspark.models.threads import configure_threads
 from dspark.serving.server import GrpcApp, setup_logging
 from drafter_svc.service import DrafterService
 
@@ -34,6 +36,7 @@ def parse_args(argv=None):
     ap.add_argument("--gamma", type=int, default=7, help="block size of a random drafter")
     ap.add_argument("--num-layers", type=int, default=2, help="decoder layers of a random drafter")
     ap.add_argument("--seed", type=int, default=0, help="initialisation seed of a random drafter")
+    add_precision_flag(ap)
     ap.set_defaults(max_message_mb=float(env("DSPARK_MAX_MESSAGE_MB", 256)))  # hidden-state batches are big
     return ap.parse_args(argv)
 
@@ -48,7 +51,7 @@ def load(args):
     target_name = args.target_model or (cfg.target if cfg and cfg.target else "") or env("DSPARK_MODEL", DEFAULT_MODEL)
     loaded = load_model(target_name)
     embed = loaded.model.model.embed_tokens.weight.detach().clone()
-    lm_head = loaded.model.lm_head.weight.detach().clone()
+    lm_head = loaded.model.output_weight.detach().clone()
     target_cfg, name = loaded.model.config, loaded.name
     del loaded  # the rest of the target is not needed here
     if checkpoint:
@@ -59,6 +62,7 @@ def load(args):
                                        gamma=args.gamma, num_layers=args.num_layers, target=name,
                                        version=f"random-{args.kind}-{args.seed}")
         drafter = build_drafter(cfg, embed, lm_head).eval()
+    log.info("drafter matmuls on %s kernels", apply_precision(drafter, args.precision))
     return drafter, name
 
 
@@ -81,6 +85,7 @@ def main(argv=None):
     args = parse_args(argv)
     setup_logging(args.log_level)
     torch.set_grad_enabled(False)
+    configure_threads()
     asyncio.run(serve(args))
 
 

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 from dspark.models.loader import DEFAULT_MODEL, load_model
+from dspark.models.precision import PRECISIONS, apply_precision
+from dspark.models.threads import configure_threads
 from dspark.sampling import SamplingParams
 from dspark.spec.engine import SpecEngine
 from dspark.spec.policy import FixedK
@@ -22,8 +24,9 @@ def default_drafter_dir(model_name: str, kind: str = "dspark") -> Path | None:
     return path if (path / "config.json").exists() else None
 
 
-def load_drafter_for(loaded, drafter: str | None):
-    """'none' -> no drafter; a path; or a kind name looked up among the shipped drafters."""
+def load_drafter_for(loaded, drafter: str | None, precision: str = "fp32"):
+    """'none' -> no drafter; a path; or a kind name looked up among the shipped drafters.
+    precision: the kernels of the drafter's own matmuls (dspark.models.precision)."""
     from dspark.drafters.checkpoint import load_drafter
 
     if drafter in (None, "none"):
@@ -32,7 +35,9 @@ def load_drafter_for(loaded, drafter: str | None):
     if path is None:
         return None
     model = loaded.model
-    return load_drafter(path, model.model.embed_tokens.weight, model.lm_head.weight).eval()
+    module = load_drafter(path, model.model.embed_tokens.weight, model.output_weight).eval()
+    apply_precision(module, precision)
+    return module
 
 
 def main(argv=None):
@@ -44,10 +49,14 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--precision", default="auto", choices=PRECISIONS,
+                    help="matmul kernels of target and drafter (auto: what this CPU runs fastest)")
     args = ap.parse_args(argv)
 
-    loaded = load_model(args.model)
-    drafter = load_drafter_for(loaded, args.drafter)
+    threads = configure_threads()
+    loaded = load_model(args.model, precision=args.precision)
+    drafter = load_drafter_for(loaded, args.drafter, args.precision)
+    print(f"[{loaded.name}: {loaded.model.precision} matmuls, {threads} CPU threads]", flush=True)
     policy = FixedK(args.k if args.k is not None else (drafter.gamma if drafter else 0))
     engine = SpecEngine(loaded.model, drafter, policy, max_batch=4, max_len=2048)
     prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": " ".join(args.prompt)}])

@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dspark.models.precision import PRECISIONS
 from dspark.generate import default_drafter_dir
 from dspark.models.loader import DEFAULT_MODEL
 
@@ -72,6 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--precision", default="auto", choices=PRECISIONS,
+                    help="matmul kernels of verifier and drafter (auto: what this CPU runs fastest)")
     ap.add_argument("--log-dir", default="", help="where the services log (default: a temporary directory)")
     args = ap.parse_args(argv)
 
@@ -88,12 +91,14 @@ def main(argv=None) -> int:
           file=sys.stderr)
     procs = {
         "drafter_svc": start("drafter_svc", [f"--port={ports['drafter_svc']}", "--kind=dspark",
-                                             f"--checkpoint={checkpoint}", f"--target-model={args.model}"], log_dir),
+                                             f"--checkpoint={checkpoint}", f"--target-model={args.model}",
+                                             f"--precision={args.precision}"], log_dir),
         "scheduler_svc": start("scheduler_svc", [f"--port={ports['scheduler_svc']}", "--redis-url=",
                                                  f"--verifiers={addr['verifier_svc']}"], log_dir),
         "verifier_svc": start("verifier_svc", [f"--port={ports['verifier_svc']}", f"--model={args.model}",
                                                f"--drafter-addr={addr['drafter_svc']}",
-                                               f"--scheduler-addr={addr['scheduler_svc']}", "--max-batch=4"], log_dir),
+                                               f"--scheduler-addr={addr['scheduler_svc']}", "--max-batch=4",
+                                               f"--precision={args.precision}"], log_dir),
     }
     try:
         wait_all({n: (p, addr[n]) for n, p in procs.items()}, timeout=600, log_dir=log_dir)

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
-
-import torch
 
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.proto_gen.v1 import generation_pb2_grpc, scheduler_pb2, verifier_pb2_grpc
 from dspark.serving import metrics, tracing
-from dspark.serving.config import common_parser, env
+from dspark.serving.config import add_precision_flag, common_parser, env
+from dspark.models.threads import configure_threads
 from dspark.serving.server import GrpcApp, setup_logging
 from dspark.spec.engine import SpecEngine
 from verifier_svc.capacity_control import CapacityControl
@@ -40,6 +38,7 @@ def parse_args(argv=None):
                     help="default: $POD_NAME, else host-port")
     ap.add_argument("--advertise-addr", default=env("DSPARK_ADVERTISE_ADDR", ""),
                     help="host:port the scheduler dials (default: $POD_IP or 127.0.0.1, with --port)")
+    add_precision_flag(ap)
     ap.add_argument("--max-batch", type=int, default=int(env("DSPARK_MAX_BATCH", 16)))
     ap.add_argument("--max-len", type=int, default=int(env("DSPARK_MAX_LEN", 2048)))
     ap.add_argument("--k", type=int, default=int(env("DSPARK_K", -1)),
@@ -90,7 +89,7 @@ async def serve(args) -> None:
          "dspark.v1.Verifier"),
     ])
     await app.start()
-    loaded = await asyncio.to_thread(load_model, args.model)
+    loaded = await asyncio.to_thread(load_model, args.model, precision=args.precision)
     drafter = None
     if args.drafter_addr:
         remote = RemoteDrafter(args.drafter_addr, timeout_s=args.drafter_timeout_s)
@@ -143,8 +142,8 @@ async def serve(args) -> None:
         reporter.start()
         app.on_shutdown.insert(0, reporter.close)
     app.on_shutdown.append(lambda: asyncio.to_thread(runner.stop))
-    log.info("verifier %s serving %s at %s (drafter: %s, k=%d, max batch %d, max len %d)", args.verifier_id,
-             loaded.name, args.advertise_addr, drafter.kind if drafter else "none", k, args.max_batch, args.max_len)
+    log.info("verifier %s serving %s (%s matmuls) at %s (drafter: %s, k=%d, max batch %d, max len %d)",
+             args.verifier_id, loaded.name, loaded.model.precision, args.advertise_addr, drafter.kind if drafter else "none", k, args.max_batch, args.max_len)
     await app.set_serving()
     await app.wait_for_termination()
 
@@ -152,7 +151,7 @@ async def serve(args) -> None:
 def main(argv=None):
     args = parse_args(argv)
     setup_logging(args.log_level)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    configure_threads()
     asyncio.run(serve(args))
 
 

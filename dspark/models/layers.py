@@ -16,6 +16,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 like the reference implementations, then cast back.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -29,7 +31,23 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
+    def fuse_projections(self) -> None:
+        """One gate|up matmul instead of two (serving only: the checkpoint layout stays HF's)."""
+        if hasattr(self, "gate_up_proj"):
+            return
+        gate, up = self.gate_proj, self.up_proj
+        fused = nn.Linear(gate.in_features, 2 * gate.out_features, bias=gate.bias is not None)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([gate.weight, up.weight]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([gate.bias, up.bias]))
+        self.gate_up_proj = fused.to(gate.weight.dtype)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -97,3 +115,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos [N, hd] and sin [N, hd] as apply_rope wants them: [N, 1, hd], sin's first half negated."""
+    half = sin.shape[-1] // 2
+    return cos[:, None, :], torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary in three ops, for tables from rope_tables: rotate-half is a roll by half with
+    the sign folded into sin. x [N, heads, head_dim]."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)

@@ -45,13 +45,18 @@ def resolve_model_path(name_or_path: str) -> Path:
     return path
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype=torch.float32, device="cpu") -> LoadedModel:
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype=torch.float32, device="cpu",
+               precision: str = "fp32") -> LoadedModel:
+    """precision: the kernels the matmuls run on (dspark.models.precision: auto, fp32, bf16, int8);
+    fp32 keeps the plain modules (training, parity checks)."""
     path = resolve_model_path(name_or_path)
     if path.suffix == ".gguf":
         model, tok = _load_gguf(path, dtype)
     else:
         model, tok = _load_hf_dir(path, dtype)
     model.to(device).eval()
+    if precision != "fp32":
+        model.set_precision(precision)
     name = DEFAULT_MODEL if name_or_path in (DEFAULT_MODEL, "default") else path.stem if path.is_file() else path.name
     return LoadedModel(model, tok, name)
 

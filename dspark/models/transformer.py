@@ -13,7 +13,8 @@ from torch import nn
 from dspark.engine.batch import VarlenBatch
 from dspark.engine.kv_cache import KVCache
 from dspark.models.config import ModelConfig
-from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
+from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, rope_tables
+from dspark.models.precision import apply_precision
 
 
 @dataclass
@@ -23,17 +24,39 @@ class ForwardOutput:
     features: torch.Tensor | None  # [N, m*d] outputs of the captured layers, concatenated
 
 
-def _attend(q, k, v, first_pos: int) -> torch.Tensor:
-    """q [H, n, hd] at positions first_pos.. attends causally to k/v [KV, c, hd] at positions 0..c-1."""
-    n, c = q.shape[1], k.shape[1]
-    if n == 1:  # a decode token sees its whole context: no mask, GQA handled by SDPA
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], enable_gqa=True)[0]
-    rep = q.shape[0] // k.shape[0]
-    k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)  # SDPA's GQA path is slow with masks on CPU
-    if first_pos == 0 and n == c:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    mask = torch.arange(c, device=q.device)[None, :] <= (first_pos + torch.arange(n, device=q.device))[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+def causal_masks(batch: VarlenBatch, group: int) -> list[torch.Tensor | None]:
+    """Per sequence, the mask of its new tokens over its slot (None for a lone decode token, which
+    sees everything). Rows are repeated for the `group` query heads that share a KV head."""
+    masks = []
+    for start, n in zip(batch.starts, batch.lens):
+        if n == 1:
+            masks.append(None)
+            continue
+        keys = torch.arange(start + n, device=batch.tokens.device)
+        mask = keys[None, :] <= (start + torch.arange(n, device=batch.tokens.device))[:, None]
+        masks.append(mask.repeat(group, 1))
+    return masks
+
+
+def _attend(q, k, v, mask) -> torch.Tensor:
+    """q [n, H, hd] attends to k/v [KV, c, hd]; returns [n, H*hd].
+
+    GQA without copying K/V: the H/KV query heads that share a KV head are stacked as extra
+    query rows of that head, so SDPA sees KV heads of (H/KV)*n queries each."""
+    n, heads, hd = q.shape
+    kv_heads = k.shape[0]
+    q = q.view(n, kv_heads, heads // kv_heads, hd).permute(1, 2, 0, 3).reshape(kv_heads, -1, hd)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.view(kv_heads, heads // kv_heads, n, hd).permute(2, 0, 1, 3).reshape(n, heads * hd)
+
+
+def _attend_prefill(q, k, v) -> torch.Tensor:
+    """A whole prompt from position 0: SDPA's causal flash path. q [n, H, hd], k/v [n, KV, hd]."""
+    n, heads, hd = q.shape
+    rep = heads // k.shape[1]
+    k, v = k.transpose(0, 1).repeat_interleave(rep, 0), v.transpose(0, 1).repeat_interleave(rep, 0)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True)
+    return out.transpose(0, 1).reshape(n, heads * hd)
 
 
 class Attention(nn.Module):
@@ -50,31 +73,55 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_eps)
 
-    def forward(self, x, cos, sin, batch: VarlenBatch, cache: KVCache | None):
-        n_tokens = x.shape[0]
-        q = self.q_proj(x).view(n_tokens, self.heads, self.head_dim)
-        k = self.k_proj(x).view(n_tokens, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n_tokens, self.kv_heads, self.head_dim)
+    def fuse_projections(self) -> None:
+        """One q|k|v matmul instead of three (serving only: the checkpoint layout stays HF's)."""
+        if hasattr(self, "qkv_proj"):
+            return
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([p.weight for p in parts]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([p.bias for p in parts]))
+        self.qkv_proj = fused.to(parts[0].weight.dtype)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _qkv(self, x, rope):
+        """Projected and rotated q [N, H, hd], k and v [N, KV, hd]."""
+        n, heads, kv_heads, hd = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        if hasattr(self, "qkv_proj") and not hasattr(self, "q_norm"):
+            qkv = self.qkv_proj(x)
+            qk = apply_rope(qkv[:, :(heads + kv_heads) * hd].view(n, heads + kv_heads, hd), *rope)
+            return qk[:, :heads], qk[:, heads:], qkv[:, (heads + kv_heads) * hd:].view(n, kv_heads, hd)
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(n, heads, hd), k.view(n, kv_heads, hd), v.view(n, kv_heads, hd)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
-        out = torch.empty_like(q)
+        return apply_rope(q, *rope), apply_rope(k, *rope), v
+
+    def forward(self, x, rope, batch: VarlenBatch, cache: KVCache | None, masks):
+        n_tokens = x.shape[0]
+        q, k, v = self._qkv(x, rope)
+        out = torch.empty(n_tokens, self.heads * self.head_dim, dtype=q.dtype, device=q.device)
         row = 0
         # One attention call per sequence on views of its cache slot: no gathers or padding.
         for b, (start, n) in enumerate(zip(batch.starts, batch.lens)):
             rows = slice(row, row + n)
-            if cache is None:
-                out[:, rows] = _attend(q[:, rows], k[:, rows], v[:, rows], 0)
-            else:
-                slot = batch.slot_list[b]
-                kc, vc = cache.k[self.layer_idx][slot], cache.v[self.layer_idx][slot]
-                kc[:, start:start + n] = k[:, rows].to(kc.dtype)
-                vc[:, start:start + n] = v[:, rows].to(vc.dtype)
-                keys, values = kc[:, :start + n].to(q.dtype), vc[:, :start + n].to(q.dtype)
-                out[:, rows] = _attend(q[:, rows], keys, values, start)
             row += n
-        return self.o_proj(out.transpose(0, 1).reshape(n_tokens, self.heads * self.head_dim))
+            if cache is None or (start == 0 and n > 1):
+                out[rows] = _attend_prefill(q[rows], k[rows], v[rows])
+            if cache is None:
+                continue
+            slot = batch.slot_list[b]
+            kc, vc = cache.k[self.layer_idx][slot], cache.v[self.layer_idx][slot]
+            kc[:, start:start + n] = k[rows].transpose(0, 1)
+            vc[:, start:start + n] = v[rows].transpose(0, 1)
+            if not (start == 0 and n > 1):
+                out[rows] = _attend(q[rows], kc[:, :start + n], vc[:, :start + n], masks[b])
+        return self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):
@@ -85,8 +132,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, batch, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
+    def forward(self, x, rope, batch, cache, masks):
+        x = x + self.self_attn(self.input_layernorm(x), rope, batch, cache, masks)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -102,6 +149,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
+        self.precision = "fp32"  # until set_precision
         self.model = _Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -109,17 +157,29 @@ class Transformer(nn.Module):
 
     def tie_weights(self) -> None:
         # Re-run after to_empty()/to(): those can give the two modules separate copies.
-        if self.config.tie_embeddings:
+        if self.config.tie_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def set_precision(self, precision: str) -> str:
+        """Put the matmuls on `precision`'s kernels (dspark.models.precision); returns the concrete one.
+        The LM head's float weight stays reachable as `output_weight` (drafters share it)."""
+        self._output_weight = self.output_weight
+        self.precision = apply_precision(self, precision)
+        return self.precision
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The LM head's weight [V, d] in the checkpoint's float dtype, whatever kernel runs it."""
+        return self.lm_head.weight if isinstance(self.lm_head, nn.Linear) else self._output_weight
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.embed_tokens.weight.dtype
 
     def new_cache(self, max_slots: int, max_len: int, dtype=None) -> KVCache:
         cfg = self.config
         return KVCache(cfg.num_layers, max_slots, max_len, cfg.num_kv_heads, cfg.head_dim,
-                       dtype=dtype or self.dtype, device=self.lm_head.weight.device)
+                       dtype=dtype or self.dtype, device=self.model.embed_tokens.weight.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -133,16 +193,18 @@ class Transformer(nn.Module):
         logits_rows: "last" (each sequence's last new token), "all", None, or flat row indices.
         capture_layers: decoder layers whose outputs are returned concatenated (drafter features).
         """
+        cfg = self.config
         if cache is not None:
             ends = [s + n for s, n in zip(batch.starts, batch.lens)]
             if max(ends) > cache.max_len:
                 raise ValueError(f"sequence of {max(ends)} tokens exceeds the KV cache length {cache.max_len}")
         cos, sin = self.rotary.cos_sin(batch.positions)
         x = self.model.embed_tokens(batch.tokens)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        rope = rope_tables(cos.to(x.dtype), sin.to(x.dtype))
         captured = {}
+        masks = causal_masks(batch, cfg.num_heads // cfg.num_kv_heads) if cache is not None else None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, batch, cache)
+            x = layer(x, rope, batch, cache, masks)
             if i in capture_layers:
                 captured[i] = x
         if cache is not None:

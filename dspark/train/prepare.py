@@ -22,6 +22,7 @@ from tqdm import tqdm
 from dspark.engine.generate import Engine
 from dspark.models.config import spread_layers
 from dspark.models.loader import load_model
+from dspark.models.precision import PRECISIONS
 from dspark.sampling import SamplingParams
 from dspark.train.prompts import build_prompts
 
@@ -65,10 +66,12 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--num-ctx-layers", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                    help="target's matmul kernels while regenerating (int8/bf16: faster, that precision's text and states)")
     args = ap.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, precision=args.precision)
     model, tok = loaded.model, loaded.tokenizer
     cfg = model.config
     ctx_layers = spread_layers(cfg.num_layers, args.num_ctx_layers)

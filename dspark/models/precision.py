@@ -1,0 +1,145 @@
+"""Serving precision: which matmul kernels the target and the drafters run on this CPU.
+
+`fp32` keeps `nn.Linear` (parity with transformers). `bf16` stores weights in bf16 and runs them
+on oneDNN prepacked kernels (AMX where the CPU has it). `int8` stores weights int8 per output
+channel (FBGEMM, VNNI) with activations quantized per row, so a row's result never depends on the
+other rows of its batch. `auto` picks by what the CPU has: bf16 on AMX-BF16, else int8 on
+AVX-512 VNNI / AVX-VNNI, else fp32 (docs/results.md has the measurements behind the rule).
+
+Every kernel here is batch-invariant: the same row gives bit-identical output whatever else is
+in the batch, so a speculative verification pass decides exactly what plain decoding would.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+PRECISIONS = ("auto", "fp32", "bf16", "int8")
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def resolve_precision(name: str) -> str:
+    """A concrete precision for `name` (auto -> what this CPU runs fastest)."""
+    if name not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
+    if name != "auto":
+        return name
+    flags = cpu_flags()
+    if "amx_bf16" in flags:
+        return "bf16"
+    if ({"avx512_vnni", "avx_vnni"} & flags) and "fbgemm" in torch.backends.quantized.supported_engines:
+        return "int8"
+    return "fp32"
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W int8 per output channel and x quantized per row (symmetric, 8 bits).
+
+    FBGEMM's dynamic linear picks one activation range for the whole batch. Each row is first
+    scaled to max |x| = 1 and a guard row holding +1 and -1 is appended, so that range is always
+    [-1, 1]: every row is quantized on its own scale, exactly as if it were alone.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
+        with warnings.catch_warnings():  # FBGEMM's prepack takes only the (deprecated) qint8 tensor type
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch.quantize_per_channel(w, scale.double(), torch.zeros(w.shape[0], dtype=torch.long), 0,
+                                                 torch.qint8)
+        with _quant_engine("fbgemm"):
+            self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.guard = torch.zeros(1, self.in_features)
+        self.guard[0, 0], self.guard[0, -1] = 1.0, -1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features).float()
+        row_max = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).clamp_min_(1e-12)
+        y = torch.ops.quantized.linear_dynamic(torch.cat([x / row_max, self.guard]), self.packed, False)[:-1]
+        y = y.mul_(row_max) if self.bias is None else torch.addcmul(self.bias, y, row_max)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class Bf16Linear(nn.Module):
+    """bf16 weights prepacked for oneDNN (AMX where the CPU has it); fp32 in and out.
+
+    A plain bf16 matmul takes a different path for one row than for several, so its rows change
+    with the batch. oneDNN's prepacked kernel gives a row the same bits at any row count >= 2
+    (measured here for every SmolLM2 shape); one row may take a gemv path, so a lone row is
+    padded to two.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().to(torch.bfloat16).contiguous()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).clone()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        rows = x.shape[0]
+        if rows == 1:
+            x = torch.cat([x, x])
+        y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
+        return y.float().reshape(*shape[:-1], self.out_features)
+
+
+class _quant_engine:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        self.old = torch.backends.quantized.engine
+        torch.backends.quantized.engine = self.name
+
+    def __exit__(self, *exc):
+        torch.backends.quantized.engine = self.old
+
+
+def convert_linear(linear: nn.Linear, precision: str) -> nn.Module:
+    if precision == "fp32":
+        return linear
+    if precision == "int8":
+        return Int8Linear(linear)
+    if precision == "bf16":
+        return Bf16Linear(linear)
+    raise ValueError(f"no kernel for precision {precision!r}")
+
+
+def apply_precision(module: nn.Module, precision: str) -> str:
+    """Fuse what a module offers to fuse (`fuse_projections`), then put every nn.Linear on the
+    precision's kernels, in place. Returns the concrete precision. Inference only: no gradients."""
+    precision = resolve_precision(precision)
+    for sub in list(module.modules()):
+        if hasattr(sub, "fuse_projections"):
+            sub.fuse_projections()
+    if precision == "fp32":
+        return precision
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, convert_linear(child, precision))
+    log.info("matmuls on %s kernels", precision)
+    return precision

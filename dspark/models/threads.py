@@ -1,0 +1,36 @@
+"""How many CPU threads torch uses: the cores this process is given, said once at start."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def available_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota (a pod's limit)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def configure_threads() -> int:
+    """OMP_NUM_THREADS when set (a positive integer), else every available core. Returns the count."""
+    raw = os.environ.get("OMP_NUM_THREADS", "")
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise SystemExit(f"OMP_NUM_THREADS must be a positive integer, got {raw!r}")
+        threads, source = int(raw), "OMP_NUM_THREADS"
+    else:
+        threads, source = available_cores(), "available cores"
+    torch.set_num_threads(threads)
+    log.info("torch uses %d CPU thread(s) (%s)", threads, source)
+    return threads

@@ -1,0 +1,101 @@
+"""Serving precisions: kernels that are batch-invariant, close to fp32, and lossless under speculation."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dspark.engine.batch import VarlenBatch
+from dspark.engine.generate import Engine
+from dspark.models import precision as prec
+from dspark.models.loader import load_model
+from dspark.sampling import SamplingParams
+from dspark.spec.engine import SpecEngine
+from dspark.spec.policy import FixedK
+from tests.spec_helpers import random_drafter, tiny_target
+
+FAST = ["int8", "bf16"]
+
+
+@pytest.mark.parametrize("precision", FAST)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_rows_do_not_depend_on_their_batch(precision, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 200, bias=bias)
+    fast = prec.convert_linear(linear, precision)
+    x = torch.randn(33, 96)
+    x[5] *= 40  # an outlier row must not change anyone else's quantization
+    together = fast(x)
+    alone = torch.cat([fast(x[i:i + 1]) for i in range(len(x))])
+    assert torch.equal(together, alone)
+    assert torch.equal(fast(x[3:11]), together[3:11])
+    reference = linear(x)
+    assert ((together - reference).norm() / reference.norm()) < 0.02
+
+
+def test_auto_precision_follows_the_cpu(monkeypatch):
+    def flags(*names):
+        monkeypatch.setattr(prec, "cpu_flags", lambda: frozenset(names))
+
+    flags("avx512f", "amx_bf16", "avx512_vnni")
+    assert prec.resolve_precision("auto") == "bf16"
+    flags("avx512f", "avx512_vnni")
+    assert prec.resolve_precision("auto") == "int8"
+    flags("avx2")
+    assert prec.resolve_precision("auto") == "fp32"
+    assert prec.resolve_precision("int8") == "int8"
+    with pytest.raises(ValueError, match="precision must be one of"):
+        prec.resolve_precision("fp8")
+
+
+def test_fused_projections_keep_fp32_outputs():
+    target = tiny_target(layers=3)
+    batch = VarlenBatch.build([[5, 9, 11, 3], [7, 2]], [0, 0])
+    before = target(batch, logits_rows="all").logits
+    assert target.set_precision("fp32") == "fp32"
+    assert hasattr(target.model.layers[0].self_attn, "qkv_proj") and hasattr(target.model.layers[0].mlp, "gate_up_proj")
+    after = target(batch, logits_rows="all").logits
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
+def _logits_alone_and_batched(model, context: list[int], others: list[list[int]], n_new: int):
+    """The logits of one sequence's verification pass alone and beside other sequences (varlen)."""
+    new = context[-n_new:]
+    results = []
+    for neighbours in ([], others):
+        cache = model.new_cache(1 + len(neighbours), 256)
+        slots = [cache.allocate() for _ in range(1 + len(neighbours))]
+        prompts = [context[:-n_new]] + [o[:-2] for o in neighbours]
+        model(VarlenBatch.build(prompts, [0] * len(prompts), slots), cache)
+        batch = VarlenBatch.build([new] + [o[-2:] for o in neighbours], [len(p) for p in prompts], slots)
+        logits = model(batch, cache, logits_rows="all").logits
+        results.append(logits[:n_new])
+    return results
+
+
+@pytest.mark.parametrize("precision", FAST)
+def test_engine_pass_is_batch_invariant(precision):
+    model = load_model(precision=precision).model  # the real default target
+    g = torch.Generator().manual_seed(3)
+    context = torch.randint(100, 20000, (40,), generator=g).tolist()
+    others = [torch.randint(100, 20000, (n,), generator=g).tolist() for n in (12, 30, 7)]
+    for n_new in (1, 5):
+        alone, batched = _logits_alone_and_batched(model, context, others, n_new)
+        assert torch.equal(alone, batched)
+
+
+@pytest.mark.parametrize("precision", FAST)
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_greedy_speculation_equals_plain_decoding_at_each_precision(precision, kind):
+    target = tiny_target()
+    drafter = random_drafter(target, kind)
+    target.set_precision(precision)
+    prec.apply_precision(drafter, precision)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    params = [SamplingParams(max_tokens=m) for m in (30, 22, 35, 16)]
+    plain = Engine(target, max_batch=4, max_len=256).generate(prompts, params)
+    engine = SpecEngine(target, drafter, FixedK(4), max_batch=4, max_len=256)
+    spec = engine.generate(prompts, [SamplingParams(max_tokens=p.max_tokens) for p in params])
+    assert [s.output for s in spec] == [s.output for s in plain]
+    assert sum(s.metrics.draft_tokens for s in spec) > 0
