@@ -10,7 +10,7 @@ service), so they are measured side by side. Every stack first serves some traff
 (steady state: the online calibration and the live SPS tables have learned); then each
 concurrency level warms every stack up at that load (unmeasured), then runs `--repeats` rounds
 over the stacks in rotating order and keeps each stack's median round. A round is `c` client threads, each sending its requests one after another
-(closed loop); greedy, prompts from ../shared/datasets/eval (first turns). The drafter is the
+(closed loop); greedy, prompts from datasets/eval (first turns). The drafter is the
 shipped DSpark checkpoint. Prints the table, checks that every configuration produced the same
 greedy text (lossless), writes benchmarks/results/concurrency.{json,png}.
 """

@@ -1,10 +1,11 @@
-"""Target engine speed on this machine: plain decoding vs transformers vs llama.cpp, and the
-verification-cost curve (one pass with n new tokens on a 512-token context).
+"""Target engine speed on this machine, per serving precision: plain decoding at batch 1/8/32
+vs transformers vs llama.cpp on the same GGUF, the verification-cost curve (one pass with n new
+tokens on a 512-token context), and each shipped drafter's time for one block.
 
     pip install -e ".[bench]"   # llama-cpp-python, built from source (~10 min here)
-    python benchmarks/engine_speed.py [--tokens 64] [--skip-llamacpp]
+    python benchmarks/engine_speed.py [--tokens 64] [--precisions fp32,bf16,int8] [--skip-llamacpp]
 
-Prints two tables and writes benchmarks/results/engine_speed.png. All contenders run in this
+Prints three tables and writes benchmarks/results/engine_speed.png. All contenders run in this
 one process, one after another, on the same prompts, so their ratios are comparable.
 """
 from __future__ import annotations
@@ -19,20 +20,43 @@ import torch
 
 from dspark.engine.batch import VarlenBatch
 from dspark.engine.generate import Engine
+from dspark.generate import load_drafter_for
 from dspark.models.loader import default_gguf_path, load_model
+from dspark.models.threads import configure_threads
 from dspark.sampling import SamplingParams
 
 OUT = Path(__file__).resolve().parent / "results"
 QUESTIONS = ["Explain how a hash map works.", "Write a short poem about autumn.", "What causes rain?",
              "Give three tips for learning a language.", "Describe the water cycle.", "What is recursion?",
              "Summarise the plot of a heist movie.", "How do vaccines work?"]
+QUESTIONS = [f"{q} (variant {i})" if i else q for i in range(4) for q in QUESTIONS]  # 32 prompts
 
 
 def ours(loaded, prompts, new_tokens):
     engine = Engine(loaded.model, max_batch=len(prompts), max_len=1024, eos_ids=())
+    engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up: first-call allocations
     start = time.perf_counter()
-    seqs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens))
+    with torch.no_grad():
+        seqs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens))
     return sum(len(s.output) for s in seqs) / (time.perf_counter() - start)
+
+
+def draft_block_ms(loaded, kind: str, precision: str, context=512, repeats=5):
+    """One drafter's time for one block (its gamma) after a 512-token context, batch 1."""
+    drafter = load_drafter_for(loaded, kind, precision)
+    if drafter is None:
+        return None
+    model = loaded.model
+    tokens = list(range(10, 10 + context))
+    with torch.no_grad():
+        out = model(VarlenBatch.build([tokens], [0]), capture_layers=tuple(drafter.ctx_layers), logits_rows=None)
+        drafter.extend_context("r", out.features.float(), torch.tensor(tokens))
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            drafter.draft(["r"], torch.tensor([tokens[-1]]), torch.zeros(1), [torch.Generator()])
+            times.append(time.perf_counter() - start)
+    return drafter.gamma, statistics.median(times[1:]) * 1e3
 
 
 def transformers_generate(hf, prompts, new_tokens):
@@ -102,73 +126,102 @@ except ImportError:
 def verification_curve(model, context=512, sizes=(1, 2, 4, 8, 16, 32), repeats=5):
     cache = model.new_cache(1, context + 64)
     slot = cache.allocate()
-    model(VarlenBatch.build([list(range(10, 10 + context))], [0], [slot]), cache)
     rows = []
-    for n in sizes:
-        times = []
-        for _ in range(repeats):
-            cache.rollback(slot, context)
-            start = time.perf_counter()
-            model(VarlenBatch.build([[7] * n], [context], [slot]), cache, logits_rows="all")
-            times.append(time.perf_counter() - start)
-        rows.append((n, statistics.median(times)))
+    with torch.no_grad():
+        model(VarlenBatch.build([list(range(10, 10 + context))], [0], [slot]), cache)
+        for n in sizes:
+            times = []
+            for _ in range(repeats + 1):
+                cache.rollback(slot, context)
+                start = time.perf_counter()
+                model(VarlenBatch.build([[7] * n], [context], [slot]), cache, logits_rows="all")
+                times.append(time.perf_counter() - start)
+            rows.append((n, statistics.median(times[1:])))
     return rows
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--precisions", default="fp32,bf16,int8")
+    ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--skip-transformers", action="store_true")
     args = ap.parse_args()
-    loaded = load_model()
-    tok = loaded.tokenizer
+    threads = configure_threads()
+    precisions, batches = args.precisions.split(","), [int(b) for b in args.batches.split(",")]
+    tok = load_model().tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
-    from transformers import AutoModelForCausalLM
 
-    path = default_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    results, curves, drafts = {}, {}, {}
+    for precision in precisions:
+        loaded = load_model(precision=precision)
+        print(f"[{precision}] decoding ...", flush=True)
+        for batch in batches:
+            results[(f"dspark {precision}", batch)] = ours(loaded, prompts[:batch], args.tokens)
+        print(f"[{precision}] verification curve and drafters ...", flush=True)
+        curves[precision] = verification_curve(loaded.model)
+        for kind in ("dspark", "dflash", "eagle3"):
+            drafts[(precision, kind)] = draft_block_ms(loaded, kind, precision)
+        del loaded
+    if not args.skip_transformers:
+        from transformers import AutoModelForCausalLM
 
-    results = {}
-    for batch in (1, 8):
-        group = prompts[:batch]
-        results[("dspark engine", batch)] = ours(loaded, group, args.tokens)
-        results[("transformers", batch)] = transformers_generate(hf, group, args.tokens)
-        if not args.skip_llamacpp and _quiet is not None:
-            results[("llama.cpp (Q4_1)", batch)] = llamacpp(group, args.tokens)
+        path = default_gguf_path()
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        for batch in batches:
+            print(f"[transformers] batch {batch} ...", flush=True)
+            results[("transformers fp32", batch)] = transformers_generate(hf, prompts[:batch], args.tokens)
+        del hf
+    if not args.skip_llamacpp and _quiet is not None:
+        for batch in batches:
+            results[("llama.cpp Q4_1", batch)] = llamacpp(prompts[:batch], args.tokens)
     if not args.skip_llamacpp and _quiet is None:
         print("llama-cpp-python not installed: pip install -e '.[bench]' (builds from source, ~10 min)")
-    print(f"\nAutoregressive decoding, SmolLM2-135M, {args.tokens} new tokens, {torch.get_num_threads()} threads")
-    print(f"{'engine':<20}{'batch':>6}{'tokens/s':>10}")
-    for (name, batch), tps in results.items():
-        print(f"{name:<20}{batch:>6}{tps:>10.1f}")
 
-    curve = verification_curve(loaded.model)
-    print("\nVerification cost: one target pass with n new tokens on a 512-token context")
-    print(f"{'n':>4}{'ms':>9}{'x (n=1)':>9}")
-    for n, sec in curve:
-        print(f"{n:>4}{sec * 1e3:>9.1f}{sec / curve[0][1]:>9.2f}")
+    print(f"\nAutoregressive decoding, SmolLM2-135M, {args.tokens} new tokens, {threads} threads (tokens/s)")
+    engines = list(dict.fromkeys(name for name, _ in results))
+    print(f"{'engine':<20}" + "".join(f"{'batch ' + str(b):>10}" for b in batches))
+    for name in engines:
+        print(f"{name:<20}" + "".join(f"{results.get((name, b), float('nan')):>10.1f}" for b in batches))
+
+    sizes = [n for n, _ in next(iter(curves.values()))]
+    print("\nVerification cost: one target pass with n new tokens on a 512-token context (ms; x = vs n=1)")
+    print(f"{'n':>4}" + "".join(f"{p + ' ms':>11}{'x':>6}" for p in precisions))
+    for i, n in enumerate(sizes):
+        print(f"{n:>4}" + "".join(f"{curves[p][i][1] * 1e3:>11.1f}{curves[p][i][1] / curves[p][0][1]:>6.2f}"
+                                  for p in precisions))
+
+    print("\nOne draft block (batch 1, 512-token context), next to the target's 1-token and gamma+1-token passes (ms)")
+    print(f"{'precision':<10}{'drafter':<8}{'gamma':>6}{'block ms':>10}{'target n=1':>12}{'target n=8':>12}")
+    for (precision, kind), value in drafts.items():
+        if value is None:
+            continue
+        gamma, ms = value
+        curve = dict(curves[precision])
+        print(f"{precision:<10}{kind:<8}{gamma:>6}{ms:>10.1f}{curve[1] * 1e3:>12.1f}{curve[8] * 1e3:>12.1f}")
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    engines = list(dict.fromkeys(name for name, _ in results))
-    batches = sorted({batch for _, batch in results})
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.8 / len(engines)
     for i, name in enumerate(engines):
         xs = [j + i * width for j, batch in enumerate(batches) if (name, batch) in results]
         a.bar(xs, [results[(name, batch)] for batch in batches if (name, batch) in results], width, label=name)
     a.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
     a.set_ylabel("tokens/s")
-    a.set_title(f"Plain decoding, SmolLM2-135M ({torch.get_num_threads()} CPU threads)")
-    a.legend()
-    b.plot([n for n, _ in curve], [s * 1e3 for _, s in curve], marker="o")
+    a.set_title(f"Plain decoding, SmolLM2-135M ({threads} CPU threads)")
+    a.legend(fontsize=8)
+    for precision, curve in curves.items():
+        b.plot([n for n, _ in curve], [s * 1e3 for _, s in curve], marker="o", label=precision)
     b.set_xscale("log", base=2)
     b.set_xlabel("new tokens in the pass (512-token context)")
     b.set_ylabel("ms per pass")
     b.set_title("Verification cost curve")
+    b.legend()
     fig.tight_layout()
     OUT.mkdir(exist_ok=True)
     fig.savefig(OUT / "engine_speed.png", dpi=120)

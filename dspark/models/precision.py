@@ -72,12 +72,12 @@ class Int8Linear(nn.Module):
         self.guard[0, 0], self.guard[0, -1] = 1.0, -1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.in_features).float()
-        row_max = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).clamp_min_(1e-12)
-        y = torch.ops.quantized.linear_dynamic(torch.cat([x / row_max, self.guard]), self.packed, False)[:-1]
+        # Few ops on purpose: at one row each costs as much as the matmul's own overhead.
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        row_max = torch.linalg.vector_norm(flat, float("inf"), dim=-1, keepdim=True).clamp_min_(1e-12)
+        y = torch.ops.quantized.linear_dynamic(torch.cat([flat / row_max, self.guard]), self.packed, False)[:-1]
         y = y.mul_(row_max) if self.bias is None else torch.addcmul(self.bias, y, row_max)
-        return y.reshape(*shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
 
 class Bf16Linear(nn.Module):

@@ -1,7 +1,7 @@
 """Stage 3: acceptance length per dataset, per-position acceptance, confidence quality.
 
 Target in the loop, chain drafting with the full block verified every step (FixedK(gamma)),
-at temperature 0 and 1, on the evaluation prompts (first turn) of ../shared/datasets/eval.
+at temperature 0 and 1, on the evaluation prompts (first turn) vendored under datasets/eval.
 For DSpark also: AUROC and ECE per position before and after STS, and reliability diagrams.
 
     python -m dspark.train.evaluate --drafters drafters/smollm2-135m/dspark drafters/smollm2-135m/dflash \
@@ -26,7 +26,7 @@ from dspark.spec.engine import SpecEngine
 from dspark.spec.metrics import SpecMetrics
 from dspark.spec.policy import FixedK
 
-EVAL_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "datasets" / "eval"
+EVAL_DIR = Path(__file__).resolve().parents[2] / "datasets" / "eval"  # vendored with its license
 DATASETS = ["gsm8k", "humaneval", "math500", "mbpp", "mt-bench"]
 
 

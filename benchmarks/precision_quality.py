@@ -1,0 +1,102 @@
+"""How far each serving precision is from fp32, on the evaluation prompts.
+
+    python benchmarks/precision_quality.py [--prompts-per-dataset 6] [--tokens 64]
+
+The text: each eval prompt (first turn, chat template) and the fp32 target's greedy answer to it.
+Every precision then reads that same text in one teacher-forced pass: top-1 agreement is the
+share of answer positions where its next-token argmax equals fp32's; perplexity is over the answer
+tokens. Prints a table per dataset and writes benchmarks/results/precision_quality.png.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+
+from dspark.engine.batch import VarlenBatch
+from dspark.engine.generate import Engine
+from dspark.models.loader import load_model
+from dspark.models.threads import configure_threads
+from dspark.sampling import SamplingParams
+from dspark.train.evaluate import DATASETS, EVAL_DIR, load_eval_prompts
+
+OUT = Path(__file__).resolve().parent / "results"
+
+
+def teacher_forced(model, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """Logits [len(answer), V] predicting each answer token from everything before it."""
+    tokens = prompt + answer
+    rows = torch.arange(len(prompt) - 1, len(tokens) - 1)
+    with torch.no_grad():
+        return model(VarlenBatch.build([tokens], [0]), logits_rows=rows).logits
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts-per-dataset", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--precisions", default="bf16,int8")
+    ap.add_argument("--eval-dir", type=Path, default=EVAL_DIR)
+    args = ap.parse_args()
+    configure_threads()
+    reference = load_model(precision="fp32")
+    tok = reference.tokenizer
+    texts = {}
+    for name in DATASETS:
+        prompts = [tok.encode_chat([{"role": "user", "content": p}])
+                   for p in load_eval_prompts(name, args.prompts_per_dataset, args.eval_dir)]
+        engine = Engine(reference.model, max_batch=len(prompts), max_len=2048)
+        with torch.no_grad():
+            answers = [s.output for s in engine.generate(prompts, SamplingParams(max_tokens=args.tokens))]
+        texts[name] = list(zip(prompts, answers))
+        print(f"{name}: {len(prompts)} prompts, {sum(map(len, answers))} answer tokens", flush=True)
+
+    models = {"fp32": reference.model}
+    for precision in args.precisions.split(","):
+        models[precision] = load_model(precision=precision).model
+    table = {}
+    for name, pairs in texts.items():
+        for precision, model in models.items():
+            agree = nll = count = 0
+            for prompt, answer in pairs:
+                logits = teacher_forced(model, prompt, answer)
+                ref_top = teacher_forced(reference.model, prompt, answer).argmax(-1)
+                target = torch.tensor(answer)
+                agree += int((logits.argmax(-1) == ref_top).sum())
+                nll += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
+                count += len(answer)
+            table[(name, precision)] = (agree / count, math.exp(nll / count))
+
+    print("\nTeacher-forced on fp32's greedy answers: top-1 agreement with fp32 / perplexity")
+    print(f"{'dataset':<12}" + "".join(f"{p + ' agree':>13}{p + ' ppl':>11}" for p in models))
+    for name in texts:
+        print(f"{name:<12}" + "".join(f"{table[(name, p)][0]:>13.3f}{table[(name, p)][1]:>11.3f}" for p in models))
+    mean = {p: [sum(table[(n, p)][i] for n in texts) / len(texts) for i in (0, 1)] for p in models}
+    print(f"{'mean':<12}" + "".join(f"{mean[p][0]:>13.3f}{mean[p][1]:>11.3f}" for p in models))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(models)
+    for i, p in enumerate(models):
+        xs = [j + i * width for j in range(len(texts))]
+        a.bar(xs, [table[(n, p)][0] for n in texts], width, label=p)
+        b.bar(xs, [table[(n, p)][1] for n in texts], width, label=p)
+    for ax, title in ((a, "top-1 agreement with fp32"), (b, "perplexity of fp32's answers")):
+        ax.set_xticks([j + width * (len(models) - 1) / 2 for j in range(len(texts))], list(texts), fontsize=8)
+        ax.set_title(title)
+        ax.legend()
+    a.set_ylim(0.8, 1.0)
+    fig.tight_layout()
+    OUT.mkdir(exist_ok=True)
+    fig.savefig(OUT / "precision_quality.png", dpi=120)
+    print(f"\nplot: {OUT / 'precision_quality.png'}")
+
+
+if __name__ == "__main__":
+    main()
