@@ -36,7 +36,7 @@ TTL_S = 1.5
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     path = write_tiny_target(tmp_path_factory.mktemp("tiny") / "tiny")
-    reference = greedy_reference(load_model(str(path)).model, PROMPTS, LONG, max_len=1024)
+    reference = greedy_reference(load_model(str(path), precision="auto").model, PROMPTS, LONG, max_len=1024)
     return str(path), reference
 
 

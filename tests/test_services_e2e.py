@@ -37,7 +37,7 @@ def cluster(tmp_path_factory):
 def test_greedy_through_services_equals_plain_greedy_for_16_concurrent_streams(cluster):
     messages = [[{"role": "user", "content": p}] for p in PROMPTS]
     streams = [StreamThread(cluster, messages=m, max_tokens=n) for m, n in zip(messages, MAX_TOKENS)]
-    loaded = load_model()  # meanwhile, the in-process reference
+    loaded = load_model(precision="auto")  # meanwhile, the in-process reference at the services' default precision
     engine = Engine(loaded.model, max_batch=len(PROMPTS), max_len=512)
     prompts = [loaded.tokenizer.encode_chat(m) for m in messages]
     reference = engine.generate(prompts, [SamplingParams(max_tokens=n) for n in MAX_TOKENS])

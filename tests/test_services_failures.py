@@ -22,7 +22,7 @@ MAX_TOKENS = 300
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     path = write_tiny_target(tmp_path_factory.mktemp("tiny") / "tiny")
-    reference = greedy_reference(load_model(str(path)).model, PROMPTS, MAX_TOKENS, max_len=1024)
+    reference = greedy_reference(load_model(str(path), precision="auto").model, PROMPTS, MAX_TOKENS, max_len=1024)
     return str(path), reference
 
 
