@@ -99,3 +99,20 @@ def test_greedy_speculation_equals_plain_decoding_at_each_precision(precision, k
     spec = engine.generate(prompts, [SamplingParams(max_tokens=p.max_tokens) for p in params])
     assert [s.output for s in spec] == [s.output for s in plain]
     assert sum(s.metrics.draft_tokens for s in spec) > 0
+
+
+@pytest.mark.parametrize("precision", FAST)
+def test_a_verification_pass_gives_each_row_the_bits_of_plain_decoding(precision):
+    """Speculation is lossless only if verifying a block computes each row exactly as decoding it
+    one token at a time would: int8 activation quantization turns last-bit differences into
+    different tokens."""
+    model = load_model(precision=precision).model
+    g = torch.Generator().manual_seed(5)
+    prompt, block = torch.randint(100, 20000, (37,), generator=g).tolist(), torch.randint(100, 20000, (6,), generator=g).tolist()
+    cache = model.new_cache(2, 128)
+    verify_slot, decode_slot = cache.allocate(), cache.allocate()
+    model(VarlenBatch.build([prompt, prompt], [0, 0], [verify_slot, decode_slot]), cache)
+    verified = model(VarlenBatch.build([block], [len(prompt)], [verify_slot]), cache, logits_rows="all").logits
+    decoded = torch.cat([model(VarlenBatch.build([[t]], [len(prompt) + j], [decode_slot]), cache).logits
+                         for j, t in enumerate(block)])
+    assert torch.equal(verified, decoded)
