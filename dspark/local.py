@@ -22,9 +22,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dspark.models.precision import PRECISIONS
 from dspark.generate import default_drafter_dir
 from dspark.models.loader import DEFAULT_MODEL
+from dspark.models.precision import PRECISIONS
 
 REPO = Path(__file__).resolve().parent.parent
 

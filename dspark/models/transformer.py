@@ -212,7 +212,6 @@ class Transformer(nn.Module):
         logits_rows: "last" (each sequence's last new token), "all", None, or flat row indices.
         capture_layers: decoder layers whose outputs are returned concatenated (drafter features).
         """
-        cfg = self.config
         if cache is not None:
             ends = [s + n for s, n in zip(batch.starts, batch.lens)]
             if max(ends) > cache.max_len:
