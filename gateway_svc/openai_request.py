@@ -105,10 +105,11 @@ def _is_neutral(name: str, value) -> bool:
     return any(value == off and isinstance(value, bool) == isinstance(off, bool) for off in NEUTRAL.get(name, ()))
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
+def _bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
+    """prefix: where `body` sits in the request ("speculation." for a nested field)."""
     value = body.get(name, default)
     if not isinstance(value, bool):
-        raise bad_request(f"'{name}' must be a boolean, got {value!r}", name)
+        raise bad_request(f"'{prefix}{name}' must be a boolean, got {value!r}", prefix + name)
     return value
 
 
@@ -123,20 +124,22 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _int(body: dict, name: str, default: int, low: int | None = None, high: int | None = None) -> int:
-    value = _optional_int(body, name, low, high)
+def _int(body: dict, name: str, default: int, low: int | None = None, high: int | None = None,
+         prefix: str = "") -> int:
+    value = _optional_int(body, name, low, high, prefix)
     return default if value is None else value
 
 
-def _optional_int(body: dict, name: str, low: int | None = None, high: int | None = None) -> int | None:
+def _optional_int(body: dict, name: str, low: int | None = None, high: int | None = None,
+                  prefix: str = "") -> int | None:
     if name not in body:
         return None
-    value = body[name]
+    value, where = body[name], prefix + name
     if not _is_int(value):
-        raise bad_request(f"'{name}' must be an integer, got {value!r}", name)
+        raise bad_request(f"'{where}' must be an integer, got {value!r}", where)
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise bad_request(f"'{name}' must be {bounds}, got {value}", name)
+        raise bad_request(f"'{where}' must be {bounds}, got {value}", where)
     return value
 
 
@@ -173,7 +176,7 @@ def _stream_options(body: dict, stream: bool) -> bool:
     if unknown:
         raise bad_request(f"'stream_options.{sorted(unknown)[0]}' is not supported by this server",
                           "stream_options", "unsupported_parameter")
-    return _bool(options, "include_usage", False)
+    return _bool(options, "include_usage", False, "stream_options.")
 
 
 def _stop(value) -> list[str]:
@@ -199,8 +202,8 @@ def _speculation(value) -> tuple[bool, int]:
     if unknown:
         raise bad_request(f"'speculation.{sorted(unknown)[0]}' is not a known field "
                           "(known: disable, max_draft_tokens)", "speculation")
-    disable = _bool(value, "disable", False)
-    max_draft = _int(value, "max_draft_tokens", 0, low=0, high=2**32 - 1)  # 0 = no cap
+    disable = _bool(value, "disable", False, "speculation.")
+    max_draft = _int(value, "max_draft_tokens", 0, low=0, high=2**32 - 1, prefix="speculation.")  # 0 = no cap
     return disable, max_draft
 
 
