@@ -5,6 +5,8 @@
 Starts drafter, verifier and scheduler as subprocesses (the scheduler with its in-process
 store: no Redis), waits until they are healthy, streams the answer through dspark_client,
 prints tokens/s and the acceptance length tau, then shuts the services down (SIGTERM).
+With --gateway-port=N the OpenAI-compatible HTTP gateway runs too (a fourth process, on
+http://127.0.0.1:N/v1) and everything keeps serving after the prompt until Ctrl-C.
 The drafter is the shipped checkpoint drafters/<model>/dspark when it exists, else a random
 DSpark drafter, so the pipeline runs either way (a random drafter just accepts little).
 """
@@ -75,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--precision", default="auto", choices=PRECISIONS,
                     help="matmul kernels of verifier and drafter (auto: what this CPU runs fastest)")
+    ap.add_argument("--gateway-port", type=int, default=0,
+                    help="also run the OpenAI-compatible HTTP gateway on this port and serve until Ctrl-C (0 = off)")
     ap.add_argument("--log-dir", default="", help="where the services log (default: a temporary directory)")
     args = ap.parse_args(argv)
 
@@ -102,6 +106,9 @@ def main(argv=None) -> int:
     }
     try:
         wait_all({n: (p, addr[n]) for n, p in procs.items()}, timeout=600, log_dir=log_dir)
+        if args.gateway_port:
+            procs["gateway_svc"] = start("gateway_svc", [f"--port={args.gateway_port}", "--host=127.0.0.1",
+                                                         f"--scheduler-addr={addr['scheduler_svc']}"], log_dir)
         with Client(addr["scheduler_svc"], timeout=600) as client:
             while not client.list_models():  # the verifier registers with the scheduler right after it is ready
                 time.sleep(0.2)
@@ -119,6 +126,12 @@ def main(argv=None) -> int:
         print(f"\n\n{len(result.token_ids)} tokens in {elapsed:.2f} s = {len(result.token_ids) / elapsed:.1f} tokens/s; "
               f"acceptance length tau = {tau:.2f} ({accepted} draft tokens accepted); "
               f"finish: {result.finish_reason.value if result.finish_reason else '?'}")
+        if args.gateway_port:
+            print(f"OpenAI-compatible API on http://127.0.0.1:{args.gateway_port}/v1 (Ctrl-C to stop)", file=sys.stderr)
+            try:
+                procs["gateway_svc"].wait()
+            except KeyboardInterrupt:
+                pass
         return 0
     finally:
         for proc in procs.values():

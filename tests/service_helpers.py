@@ -209,3 +209,29 @@ class StreamThread:
         if self.error is not None:
             raise self.error
         return collect(self.chunks)
+
+
+def start_gateway(scheduler: str, log_dir: Path, port: int | None = None, api_keys: list[str] = (),
+                  **flags) -> tuple[Service, str]:
+    """The HTTP gateway; returns its base URL (http://127.0.0.1:PORT)."""
+    port = port or free_port()
+    args = [f"--port={port}", "--host=127.0.0.1", f"--scheduler-addr={scheduler}", *[f"--api-key={k}" for k in api_keys]]
+    args += [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
+    return Service("gateway_svc", args, log_dir, f"gateway-{port}"), f"http://127.0.0.1:{port}"
+
+
+def wait_http_ok(url: str, service: Service | None = None, timeout: float = 60) -> None:
+    """Until GET url answers 200 (the gateway's /health: the scheduler routes to a verifier)."""
+    import urllib.error
+    import urllib.request
+
+    def ok() -> bool:
+        if service is not None and service.proc.poll() is not None:
+            raise RuntimeError(f"{service.name} exited with {service.proc.returncode}:\n{service.log()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    wait_until(ok, timeout, interval=0.2, what=f"{url} answering 200")

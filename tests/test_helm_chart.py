@@ -107,7 +107,7 @@ def test_validation_catches_an_invalid_manifest(helm):
 def test_default_render_components(helm):
     docs = render(helm)
     deployments = by_kind(docs, "Deployment")
-    assert set(deployments) == {f"{RELEASE}-dspark-{c}" for c in ("verifier", "drafter", "scheduler")}
+    assert set(deployments) == {f"{RELEASE}-dspark-{c}" for c in ("verifier", "drafter", "scheduler", "gateway")}
     assert f"{RELEASE}-dspark-redis" in by_kind(docs, "StatefulSet")
     assert set(by_kind(docs, "PodDisruptionBudget")) == set(deployments)
     assert not by_kind(docs, "ScaledObject") and not by_kind(docs, "HorizontalPodAutoscaler")
@@ -171,17 +171,47 @@ def ingress_sources(policy, port):
 def test_network_policies(helm):
     policies = by_kind(render(helm), "NetworkPolicy")
     name = lambda c: f"{RELEASE}-dspark-{c}"  # noqa: E731
-    assert set(policies) == {name(c) for c in ("scheduler", "verifier", "drafter", "redis")}
-    for component, policy in [(c, policies[name(c)]) for c in ("scheduler", "verifier", "drafter", "redis")]:
+    assert set(policies) == {name(c) for c in ("gateway", "scheduler", "verifier", "drafter", "redis")}
+    for component, policy in [(c, policies[name(c)]) for c in ("gateway", "scheduler", "verifier", "drafter", "redis")]:
         assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == component
         assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
         assert policy["spec"]["policyTypes"] == ["Ingress"]
-    assert ingress_sources(policies[name("scheduler")], 50051) is None  # the entry point
+    assert ingress_sources(policies[name("gateway")], 8000) is None  # the entry point
+    assert ingress_sources(policies[name("scheduler")], 50051) == ["gateway"]  # only through the gateway
     assert ingress_sources(policies[name("verifier")], 50052) == ["scheduler"]
     assert ingress_sources(policies[name("drafter")], 50053) == ["verifier"]
     assert ingress_sources(policies[name("redis")], 6379) == ["scheduler", "verifier"]
     # Nothing else opens the GPU services' gRPC ports.
     assert ingress_sources(policies[name("drafter")], 50052) == []
+
+
+def test_without_the_gateway_the_scheduler_is_the_entry_point(helm):
+    docs = render(helm, "--set", "gateway.enabled=false")
+    assert not any("gateway" in d["metadata"]["name"] for d in docs)
+    policies = by_kind(docs, "NetworkPolicy")
+    assert ingress_sources(policies[f"{RELEASE}-dspark-scheduler"], 50051) is None
+
+
+def test_gateway_deployment_service_probes_and_keys(helm):
+    docs = render(helm, "--set", "gateway.apiKeys.existingSecret=keys", "--set", "tls.enabled=true",
+                  "--set", "tls.secretName=my-tls", "--set", "tls.mutual=true")
+    deployment, c = container(docs, "gateway")
+    assert c["command"] == ["python", "-m", "gateway_svc"]
+    assert f"--scheduler-addr={RELEASE}-dspark-scheduler:50051" in c["args"] and "--port=8000" in c["args"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}  # the scheduler answers
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health/live"  # not restarted when the scheduler is down
+    env = {e["name"]: e for e in c["env"]}
+    assert env["DSPARK_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-keys"}
+    assert env["DSPARK_TLS_MUTUAL"]["value"] == "1" and env["OTEL_SERVICE_NAME"]["value"] == "dspark-gateway"
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+    service = by_kind(docs, "Service")[f"{RELEASE}-dspark-gateway"]
+    assert service["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "appProtocol": "http"}]
+    assert f"{RELEASE}-dspark-gateway" in by_kind(docs, "PodDisruptionBudget")
+    prod = by_kind(render(helm, "-f", str(PROD_VALUES)), "Service")
+    assert prod[f"{RELEASE}-dspark-gateway"]["spec"]["type"] == "LoadBalancer"
+    assert prod[f"{RELEASE}-dspark-scheduler"]["spec"]["type"] == "ClusterIP"  # only the gateway is exposed
 
 
 def test_tls_mutual_from_secret(helm):
@@ -270,6 +300,8 @@ def test_bad_values_file_rejected(helm):
     "redis.external.url=http://not-redis",
     "tls.enabled=true",  # without tls.secretName
     "ports.metrics=70000",
+    "gateway.maxConcurrent=0",
+    "gateway.apiKeys.secretKey=",
 ])
 def test_single_bad_override_rejected(helm, override):
     proc = run_helm(helm, "template", "t", str(CHART), "--set", override, check=False)

@@ -28,6 +28,15 @@ def test_text_stream_holds_back_a_possible_stop_string_and_cuts_at_it():
     assert "".join(plain.push([i])[0] for i in [0, 1, 3]) + plain.push([], final=True)[0] == "a b c"
 
 
+def test_text_stream_drops_the_tokens_of_a_burst_after_the_stop_string():
+    stream = TextStream(decode, stop=["STOP"])
+    assert stream.push([0]) == ("a", False)
+    assert stream.push([1, 2, 3, 1]) == (" b ", True)  # one burst: "b STOP c b"; the stop ends at its 2nd token
+    assert stream.overshoot == 2 and stream.tokens == [0, 1, 2]
+    whole = TextStream(decode, stop=["STOP"])
+    assert whole.push([0, 1, 2]) == ("a b ", True) and whole.overshoot == 0
+
+
 def test_text_stream_resumes_after_already_streamed_text():
     stream = TextStream(decode, prefix_tokens=[0, 1], prefix_text="a b")
     assert stream.push([3]) == (" c", False)

@@ -119,9 +119,11 @@ class VerifierCore:
             while not done:
                 event = await job.events.get()
                 delta, stop_hit = text.push(event.tokens, final=event.finish is not None)
-                chunk = pb.GenerateChunk(request_id=req_id, token_ids=event.tokens, text=delta, offset=offset)
-                offset += len(event.tokens)
-                metrics.GENERATED_TOKENS.inc(len(event.tokens))
+                # A stop string inside an accepted burst: the tokens after it are not part of the output.
+                tokens = event.tokens[:len(event.tokens) - text.overshoot] if stop_hit else event.tokens
+                chunk = pb.GenerateChunk(request_id=req_id, token_ids=tokens, text=delta, offset=offset)
+                offset += len(tokens)
+                metrics.GENERATED_TOKENS.inc(len(tokens))
                 if stop_hit and event.finish is None:
                     self.runner.cancel(job)
                 if event.finish is not None or stop_hit:

@@ -2,7 +2,9 @@
 
 The whole output is decoded each time (tokenizers merge bytes across tokens), and only what is
 certain is sent: an incomplete UTF-8 character at the end ("\ufffd") waits for its next bytes,
-and a tail that could be the start of a stop string waits until it is clearly not one.
+and a tail that could be the start of a stop string waits until it is clearly not one. When a
+stop string is hit inside a multi-token burst (accepted draft tokens), the tokens after the one
+that completes it are dropped (`overshoot`), so the token ids agree with the text.
 """
 from __future__ import annotations
 
@@ -17,15 +19,19 @@ class TextStream:
         self.tokens = list(prefix_tokens)
         text = decode(self.tokens) if self.tokens else ""
         self.sent = len(prefix_text) if text.startswith(prefix_text) else len(text)
+        self.overshoot = 0  # tokens of the last push past the one that completed a stop string
 
     def push(self, tokens: list[int], final: bool = False) -> tuple[str, bool]:
         """Add decided tokens; returns (text to send now, whether a stop string was hit)."""
         self.tokens.extend(tokens)
         text = self.decode(self.tokens)
-        hits = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s, self.sent), s) for s in self.stop) if i >= 0]
         if hits:
-            delta = text[self.sent:min(hits)]
-            self.sent = min(hits)
+            start, stop = min(hits)
+            self.overshoot = len(tokens) - self._tokens_through(stop, len(tokens))
+            del self.tokens[len(self.tokens) - self.overshoot:]
+            delta = text[self.sent:start]
+            self.sent = start
             return delta, True
         end = len(text)
         if not final:
@@ -35,6 +41,14 @@ class TextStream:
         delta = text[self.sent:end]
         self.sent = end
         return delta, False
+
+    def _tokens_through(self, stop: str, pushed: int) -> int:
+        """How many of the `pushed` newest tokens it takes for `stop` to appear after what was sent."""
+        before = len(self.tokens) - pushed
+        for k in range(1, pushed):
+            if self.decode(self.tokens[:before + k]).find(stop, self.sent) >= 0:
+                return k
+        return pushed
 
     def _stop_prefix(self, tail: str) -> int:
         """Length of the longest suffix of `tail` that begins some stop string."""
