@@ -6,6 +6,7 @@ speculation is really at work, and the reference for every output is the gRPC SD
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 
@@ -255,10 +256,12 @@ def test_a_client_that_goes_away_cancels_the_generation_upstream(cluster, stream
                 lines = response.iter_lines()
                 assert json.loads(next(line for line in lines if line.startswith("data:"))[5:])["choices"]
                 assert running_on_verifier(cluster["verifier"]) == 1
-        else:
-            with pytest.raises(httpx.ReadTimeout):  # we give up after 1 s; 1000 tokens take far longer
-                http.post("/v1/chat/completions", json=body)
-            assert running_on_verifier(cluster["verifier"]) == 1
+        else:  # the request runs in a thread that gives up after 3 s; 1000 tokens take far longer
+            waiting = concurrent.futures.ThreadPoolExecutor(1).submit(
+                http.post, "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=3.0))
+            wait_until(lambda: running_on_verifier(cluster["verifier"]) == 1, 2.5, what="the generation running")
+            with pytest.raises(httpx.ReadTimeout):
+                waiting.result()
     left = time.monotonic()
     wait_until(lambda: running_on_verifier(cluster["verifier"]) == 0, 3, what="the verifier's slot freed")
     assert time.monotonic() - left < 3
