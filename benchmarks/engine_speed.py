@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from plotting import grouped_bars
 
 from dspark.engine.batch import VarlenBatch
 from dspark.engine.generate import Engine
@@ -208,14 +209,10 @@ def main():
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
-    width = 0.8 / len(engines)
-    for i, name in enumerate(engines):
-        xs = [j + i * width for j, batch in enumerate(batches) if (name, batch) in results]
-        a.bar(xs, [results[(name, batch)] for batch in batches if (name, batch) in results], width, label=name)
-    a.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+    grouped_bars(a, [f"batch {b}" for b in batches],
+                 {name: [results.get((name, b), float("nan")) for b in batches] for name in engines})
     a.set_ylabel("tokens/s")
     a.set_title(f"Plain decoding, SmolLM2-135M ({threads} CPU threads)")
-    a.legend(fontsize=8)
     for precision, curve in curves.items():
         b.plot([n for n, _ in curve], [s * 1e3 for _, s in curve], marker="o", label=precision)
     b.set_xscale("log", base=2)

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import torch
+from plotting import grouped_bars
 
 from dspark.engine.batch import VarlenBatch
 from dspark.engine.generate import Engine
@@ -82,15 +83,9 @@ def main():
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / len(models)
-    for i, p in enumerate(models):
-        xs = [j + i * width for j in range(len(texts))]
-        a.bar(xs, [table[(n, p)][0] for n in texts], width, label=p)
-        b.bar(xs, [table[(n, p)][1] for n in texts], width, label=p)
-    for ax, title in ((a, "top-1 agreement with fp32"), (b, "perplexity of fp32's answers")):
-        ax.set_xticks([j + width * (len(models) - 1) / 2 for j in range(len(texts))], list(texts), fontsize=8)
+    for i, (ax, title) in enumerate(((a, "top-1 agreement with fp32"), (b, "perplexity of fp32's answers"))):
+        grouped_bars(ax, list(texts), {p: [table[(n, p)][i] for n in texts] for p in models})
         ax.set_title(title)
-        ax.legend()
     a.set_ylim(0.8, 1.0)
     fig.tight_layout()
     OUT.mkdir(exist_ok=True)

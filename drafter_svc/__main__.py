@@ -15,10 +15,10 @@ from dspark.drafters import DrafterConfig, build_drafter
 from dspark.drafters.checkpoint import load_calibration, load_config, load_drafter
 from dspark.models.config import spread_layers
 from dspark.models.loader import DEFAULT_MODEL, load_model
-from dspark.models.precision import apply_precision
+from dspark.models.precision import add_precision_flag, apply_precision
 from dspark.models.threads import configure_threads
 from dspark.proto_gen.v1 import drafter_pb2_grpc
-from dspark.serving.config import add_precision_flag, common_parser, env
+from dspark.serving.config import common_parser, env
 from dspark.serving.server import GrpcApp, setup_logging
 from drafter_svc.service import DrafterService
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from dspark.models.loader import DEFAULT_MODEL, load_model
-from dspark.models.precision import PRECISIONS, apply_precision
+from dspark.models.precision import add_precision_flag, apply_precision
 from dspark.models.threads import configure_threads
 from dspark.sampling import SamplingParams
 from dspark.spec.engine import SpecEngine
@@ -49,8 +49,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--precision", default="auto", choices=PRECISIONS,
-                    help="matmul kernels of target and drafter (auto: what this CPU runs fastest)")
+    add_precision_flag(ap)
     args = ap.parse_args(argv)
 
     threads = configure_threads()

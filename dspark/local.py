@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dspark.generate import default_drafter_dir
 from dspark.models.loader import DEFAULT_MODEL
-from dspark.models.precision import PRECISIONS
+from dspark.models.precision import add_precision_flag
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -75,8 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--precision", default="auto", choices=PRECISIONS,
-                    help="matmul kernels of verifier and drafter (auto: what this CPU runs fastest)")
+    add_precision_flag(ap)
     ap.add_argument("--gateway-port", type=int, default=0,
                     help="also run the OpenAI-compatible HTTP gateway on this port and serve until Ctrl-C (0 = off)")
     ap.add_argument("--log-dir", default="", help="where the services log (default: a temporary directory)")

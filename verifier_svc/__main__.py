@@ -11,10 +11,11 @@ import logging
 import socket
 
 from dspark.models.loader import DEFAULT_MODEL, load_model
+from dspark.models.precision import add_precision_flag
 from dspark.models.threads import configure_threads
 from dspark.proto_gen.v1 import generation_pb2_grpc, scheduler_pb2, verifier_pb2_grpc
 from dspark.serving import metrics, tracing
-from dspark.serving.config import add_precision_flag, common_parser, env
+from dspark.serving.config import common_parser, env
 from dspark.serving.server import GrpcApp, setup_logging
 from dspark.spec.engine import SpecEngine
 from verifier_svc.capacity_control import CapacityControl

@@ -24,6 +24,17 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def fuse_linears(*linears: nn.Linear) -> nn.Linear:
+    """One nn.Linear whose output is the given ones' outputs concatenated (same input)."""
+    first = linears[0]
+    fused = nn.Linear(first.in_features, sum(p.out_features for p in linears), bias=first.bias is not None)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in linears]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in linears]))
+    return fused.to(first.weight.dtype)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int, bias: bool = False):
         super().__init__()
@@ -35,13 +46,7 @@ class SwiGLU(nn.Module):
         """One gate|up matmul instead of two (serving only: the checkpoint layout stays HF's)."""
         if hasattr(self, "gate_up_proj"):
             return
-        gate, up = self.gate_proj, self.up_proj
-        fused = nn.Linear(gate.in_features, 2 * gate.out_features, bias=gate.bias is not None)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([gate.weight, up.weight]))
-            if fused.bias is not None:
-                fused.bias.copy_(torch.cat([gate.bias, up.bias]))
-        self.gate_up_proj = fused.to(gate.weight.dtype)
+        self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,11 @@ in the batch, so a speculative verification pass decides exactly what plain deco
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import functools
 import logging
+import os
 import warnings
 from pathlib import Path
 
@@ -32,6 +35,13 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def add_precision_flag(ap: argparse.ArgumentParser, default: str = "auto") -> None:
+    """--precision, defaulting to $DSPARK_PRECISION, else `default`."""
+    ap.add_argument("--precision", default=os.environ.get("DSPARK_PRECISION", default), choices=PRECISIONS,
+                    help="matmul kernels (auto: bf16 on AMX, int8 on VNNI, else fp32; fp32 = parity with "
+                         "transformers)")
 
 
 def resolve_precision(name: str) -> str:
@@ -106,16 +116,13 @@ class Bf16Linear(nn.Module):
         return y.float().reshape(*shape[:-1], self.out_features)
 
 
-class _quant_engine:
-    def __init__(self, name: str):
-        self.name = name
-
-    def __enter__(self):
-        self.old = torch.backends.quantized.engine
-        torch.backends.quantized.engine = self.name
-
-    def __exit__(self, *exc):
-        torch.backends.quantized.engine = self.old
+@contextlib.contextmanager
+def _quant_engine(name: str):
+    old, torch.backends.quantized.engine = torch.backends.quantized.engine, name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = old
 
 
 def convert_linear(linear: nn.Linear, precision: str) -> nn.Module:

@@ -13,7 +13,7 @@ from torch import nn
 from dspark.engine.batch import VarlenBatch
 from dspark.engine.kv_cache import KVCache
 from dspark.models.config import ModelConfig
-from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, rope_tables
+from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, fuse_linears, rope_tables
 from dspark.models.precision import apply_precision
 
 
@@ -123,13 +123,7 @@ class Attention(nn.Module):
         """One q|k|v matmul instead of three (serving only: the checkpoint layout stays HF's)."""
         if hasattr(self, "qkv_proj"):
             return
-        parts = (self.q_proj, self.k_proj, self.v_proj)
-        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([p.weight for p in parts]))
-            if fused.bias is not None:
-                fused.bias.copy_(torch.cat([p.bias for p in parts]))
-        self.qkv_proj = fused.to(parts[0].weight.dtype)
+        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
     def _qkv(self, x, rope):

@@ -40,13 +40,6 @@ def common_parser(description: str, port: int) -> argparse.ArgumentParser:
     return ap
 
 
-def add_precision_flag(ap: argparse.ArgumentParser) -> None:
-    from dspark.models.precision import PRECISIONS
-
-    ap.add_argument("--precision", default=env("DSPARK_PRECISION", "auto"), choices=PRECISIONS,
-                    help="matmul kernels (auto: bf16 on AMX, int8 on VNNI, else fp32; fp32 = parity with transformers)")
-
-
 TLS_FLAGS = {"tls_cert": "DSPARK_TLS_CERT", "tls_key": "DSPARK_TLS_KEY", "tls_ca": "DSPARK_TLS_CA",
              "tls_mutual": "DSPARK_TLS_MUTUAL", "tls_server_name": "DSPARK_TLS_SERVER_NAME"}
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from dspark.engine.generate import Engine
 from dspark.models.config import spread_layers
 from dspark.models.loader import load_model
-from dspark.models.precision import PRECISIONS
+from dspark.models.precision import add_precision_flag
 from dspark.sampling import SamplingParams
 from dspark.train.prompts import build_prompts
 
@@ -66,8 +66,7 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--num-ctx-layers", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--precision", default="fp32", choices=PRECISIONS,
-                    help="target's matmul kernels while regenerating (int8/bf16: faster, that precision's text and states)")
+    add_precision_flag(ap, default="fp32")  # int8/bf16: faster, and that precision's text and states
     args = ap.parse_args(argv)
 
     torch.manual_seed(args.seed)
