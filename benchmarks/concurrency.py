@@ -33,10 +33,10 @@ OUT = REPO / "benchmarks" / "results"
 # name -> verifier flags (None: no drafter at all)
 CONFIGS = {
     "no speculation": None,
-    "fixed k=1": dict(schedule="off", k=1),
-    "fixed k=3": dict(schedule="off", k=3),
-    "fixed k=7": dict(schedule="off", k=7),
-    "scheduler": dict(schedule="on", k=3),  # k: the fallback while the scheduler has not decided
+    "fixed k=1": dict(schedule="off", draft_len=1),
+    "fixed k=3": dict(schedule="off", draft_len=3),
+    "fixed k=7": dict(schedule="off", draft_len=7),
+    "scheduler": dict(schedule="on", draft_len=3),  # the fallback while the scheduler has not decided
 }
 
 

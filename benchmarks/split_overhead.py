@@ -32,12 +32,12 @@ def in_process(model_name: str, checkpoint: str, messages, max_tokens: int) -> d
     from dspark.models.loader import load_model
     from dspark.sampling import SamplingParams
     from dspark.spec.engine import SpecEngine
-    from dspark.spec.policy import FixedK
+    from dspark.spec.policy import FixedDraftLen
 
     torch.set_grad_enabled(False)
     loaded = load_model(model_name)
     drafter, _ = load(parse_args([f"--checkpoint={checkpoint}", f"--target-model={model_name}"]))
-    engine = SpecEngine(loaded.model, drafter, FixedK(drafter.gamma), max_batch=len(messages), max_len=1024)
+    engine = SpecEngine(loaded.model, drafter, FixedDraftLen(drafter.gamma), max_batch=len(messages), max_len=1024)
     prompts = [loaded.tokenizer.encode_chat(m) for m in messages]
     start = time.perf_counter()
     seqs = [engine.add(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
@@ -45,8 +45,8 @@ def in_process(model_name: str, checkpoint: str, messages, max_tokens: int) -> d
         engine.step()
     elapsed = time.perf_counter() - start
     tokens = sum(len(s.output) for s in seqs)
-    drafts = sum(s.metrics.drafts for s in seqs)
-    accepted = sum(s.metrics.accepted_tokens for s in seqs)
+    drafts = sum(s.spec.metrics.drafts for s in seqs)
+    accepted = sum(s.spec.metrics.accepted_tokens for s in seqs)
     return dict(tokens=tokens, seconds=elapsed, tps=tokens / elapsed, tau=1 + accepted / drafts if drafts else 1.0,
                 outputs=[s.output for s in seqs], kind=drafter.kind, version=drafter.version)
 

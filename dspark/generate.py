@@ -14,7 +14,7 @@ from dspark.models.precision import add_precision_flag, apply_precision
 from dspark.models.threads import configure_threads
 from dspark.sampling import SamplingParams
 from dspark.spec.engine import SpecEngine
-from dspark.spec.policy import FixedK
+from dspark.spec.policy import FixedDraftLen
 
 SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
@@ -45,7 +45,8 @@ def main(argv=None):
     ap.add_argument("prompt", nargs="*", default=["Explain speculative decoding in two sentences."])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--drafter", default="dspark", help="dspark | dflash | eagle3 | none | a checkpoint directory")
-    ap.add_argument("--k", type=int, default=None, help="draft tokens verified per step (default: the block size)")
+    ap.add_argument("--draft-len", type=int, default=None,
+                    help="draft tokens verified per request per step (default: the block size)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
@@ -56,7 +57,7 @@ def main(argv=None):
     loaded = load_model(args.model, precision=args.precision)
     drafter = load_drafter_for(loaded, args.drafter, args.precision)
     print(f"[{loaded.name}: {loaded.model.precision} matmuls, {threads} CPU threads]", flush=True)
-    policy = FixedK(args.k if args.k is not None else (drafter.gamma if drafter else 0))
+    policy = FixedDraftLen(args.draft_len if args.draft_len is not None else (drafter.gamma if drafter else 0))
     engine = SpecEngine(loaded.model, drafter, policy, max_batch=4, max_len=2048)
     prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": " ".join(args.prompt)}])
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
@@ -69,7 +70,7 @@ def main(argv=None):
         print(text[printed:], end="", flush=True)
         printed = len(text)
     elapsed = time.perf_counter() - start
-    m = seq.metrics
+    m = seq.spec.metrics
     label = f"{drafter.kind} drafter" if drafter else "no drafter (plain decoding)"
     print(f"\n\n[{loaded.name}, {label}] {len(seq.output)} tokens in {elapsed:.2f}s = "
           f"{len(seq.output) / elapsed:.1f} tokens/s; acceptance length tau = {m.acceptance_length:.2f} "

@@ -16,7 +16,7 @@ from dspark.proto_gen.v1 import generation_pb2_grpc, scheduler_pb2_grpc
 from dspark.serving.config import common_parser, env
 from dspark.serving.server import GrpcApp, setup_logging
 from scheduler_svc.calibration_store import make_calibration_store
-from scheduler_svc.capacity import CapacityPlanner
+from scheduler_svc.budget_planner import BudgetPlanner
 from scheduler_svc.online_calibration import OnlineCalibrator
 from scheduler_svc.registry import Registry
 from scheduler_svc.service import GenerationService, Router, SchedulerService
@@ -78,7 +78,7 @@ async def serve(args) -> None:
                                   args.calibration_refit_s, args.calibration_min_samples)
     app = GrpcApp("scheduler", args, [
         (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(router), "dspark.v1.Generation"),
-        (scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerService(registry, CapacityPlanner(), calibrator), "dspark.v1.Scheduler"),
+        (scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerService(registry, BudgetPlanner(), calibrator), "dspark.v1.Scheduler"),
     ])
     await app.start()
     stop = threading.Event()

@@ -8,8 +8,8 @@ request's path, every `flush_s`:
      seconds with new reports), from the *accumulated* statistics of all replicas, once
      position 1 has `min_samples` decided outcomes; stores temperatures + a new version,
   3. picks up newer fits other replicas stored.
-Replies (Capacity.calibration) carry the newest fit known here; verifiers apply it when its
-version is newer than theirs. The same temperatures calibrate the survivals the capacity rule uses.
+Replies (BudgetDecision.calibration) carry the newest fit known here; verifiers apply it when its
+version is newer than theirs. The same temperatures calibrate the survivals the two-step rule uses.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from dspark.serving import metrics, tracing
 from dspark.serving.config import aio_channel
 from dspark.serving.requests import RequestError, check_request
 from dspark.wire import WireError, tensor_from_proto
-from scheduler_svc.capacity import CapacityPlanner
+from scheduler_svc.budget_planner import BudgetPlanner
 from scheduler_svc.online_calibration import OnlineCalibrator
 from scheduler_svc.registry import Registry
 
@@ -180,8 +180,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
 def record_from_load(load: load_pb2.VerifierLoad) -> dict:
     return dict(verifier_id=load.verifier_id, running=load.running, queued=load.queued, kv_use=load.kv_use,
-                capacity=load.capacity, max_batch=load.max_batch, max_context_tokens=load.max_context_tokens,
-                model=load.model, sps=[[p.batch_tokens, p.steps_per_sec] for p in load.sps],
+                verify_budget=load.verify_budget, max_batch=load.max_batch, max_context_tokens=load.max_context_tokens,
+                model=load.model, sps=[[p.batch_tokens, p.step_seconds] for p in load.sps],
                 draft_cost=[[p.requests, p.seconds] for p in load.draft_cost],
                 calibration_version=load.calibration_version)
 
@@ -189,24 +189,24 @@ def record_from_load(load: load_pb2.VerifierLoad) -> dict:
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     """Verifiers report here. Answers come back at once: the store is written in the background."""
 
-    def __init__(self, registry: Registry, planner: CapacityPlanner | None = None,
+    def __init__(self, registry: Registry, planner: BudgetPlanner | None = None,
                  calibrator: OnlineCalibrator | None = None):
         self.registry = registry
-        self.planner = planner or CapacityPlanner()
+        self.planner = planner or BudgetPlanner()
         self.calibrator = calibrator
         self.priors: dict[str, np.ndarray] = {}  # drafter version -> its shipped STS temperatures
 
-    def _capacity(self, verifier_id: str, drafter_version: str = "") -> load_pb2.Capacity:
-        """K by the two-step rule once this verifier reported confidences (decided=False: keep
-        yours), and the newest temperatures of its drafter version."""
-        k = self.planner.k.get(verifier_id)
-        capacity = load_pb2.Capacity(k=k or 0, decided=k is not None)
+    def _decision(self, verifier_id: str, drafter_version: str = "") -> load_pb2.BudgetDecision:
+        """The verify budget by the two-step rule once this verifier reported confidences
+        (decided=False: keep yours), and the newest temperatures of its drafter version."""
+        budget = self.planner.budgets.get(verifier_id)
+        decision = load_pb2.BudgetDecision(verify_budget=budget or 0, decided=budget is not None)
         if not drafter_version:
             drafter_version = (self.registry.by_id(verifier_id) or {}).get("drafter_version", "")
         calibration = self.calibrator.calibration(drafter_version) if self.calibrator and drafter_version else None
         if calibration is not None:
-            capacity.calibration.CopyFrom(calibration)
-        return capacity
+            decision.calibration.CopyFrom(calibration)
+        return decision
 
     def _temperatures(self, drafter_version: str):
         """The online fit's temperatures, else the drafter's shipped ones, else None (T = 1)."""
@@ -231,14 +231,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.registry.heartbeat(record)
         self.planner.forget(record["verifier_id"])
         log.info("verifier %s registered at %s (%s)", record["verifier_id"], request.address, record["model"])
-        return self._capacity(record["verifier_id"], request.drafter_version)
+        return self._decision(record["verifier_id"], request.drafter_version)
 
     async def Heartbeat(self, request, context):
         known = self.registry.by_id(request.load.verifier_id)
         if known is None:  # we lost it (restart with an empty store): make it register again
             await context.abort(grpc.StatusCode.NOT_FOUND, "unknown verifier: register first")
         self.registry.heartbeat(dict(known, **record_from_load(request.load)))
-        return self._capacity(request.load.verifier_id)
+        return self._decision(request.load.verifier_id)
 
     async def ReportStep(self, request, context):
         if request.verified_len:
@@ -256,7 +256,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self.planner.on_report(request.verifier_id, request.step, conf,
                                    self._temperatures(request.drafter_version), known.get("sps", []),
                                    known.get("draft_cost", []))
-        return self._capacity(request.verifier_id, request.drafter_version)
+        return self._decision(request.verifier_id, request.drafter_version)
 
 
 def step_confidences(request) -> np.ndarray:

@@ -1,11 +1,11 @@
 """Confidence-scheduled verification through the real services (DESIGN.md 1.4, 2).
 
 Drafter (random DSpark: it has confidences), scheduler (two-step rule + online STS, real Redis)
-and verifier run as processes on a tiny target. The verifier's static default is --k=0, so any
-draft token it verifies was admitted under a K that came from the scheduler; --explore=0 so
+and verifier run as processes on a tiny target. The verifier's default is --draft-len=0, so any
+draft token it verifies was admitted under a verify budget that came from the scheduler; --explore=0 so
 nothing else adds drafts; --draft-probe-every=1 so the verifier drafts every step (on a tiny target
-the drafter round trip costs more than it saves, and K = 0 would rightly skip it). Outputs must equal in-process plain greedy decoding throughout, also
-after the scheduler is killed (last K, then the static default).
+the drafter round trip costs more than it saves, and a budget of 0 would rightly skip it). Outputs must equal in-process plain greedy decoding throughout, also
+after the scheduler is killed (last budget, then the --draft-len default).
 
 The tests share one cluster and run in file order: the last one kills the scheduler.
 """
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 PROMPTS = [[42, 78, 67, 52], [34, 62], [22, 38], [33, 60, 58, 25], [10, 14], [11, 16, 36], [38, 70, 63],
            [26, 46, 51]]
 MAX_TOKENS = 240
-LONG = 600  # the fallback test needs streams that outlive the capacity TTL
+LONG = 600  # the fallback test needs streams that outlive the budget TTL
 TTL_S = 1.5
 
 
@@ -53,9 +53,9 @@ def cluster(target, tmp_path_factory):
     try:
         wait_serving(d_addr, drafter, timeout=600)
         wait_serving(s_addr, scheduler, timeout=600)
-        verifier, v_addr = start_verifier(path, logs, d_addr, s_addr, metrics_port=metrics_ports["verifier"], k=0,
-                                          explore=0, draft_probe_every=1, report_interval_s=0.2, capacity_ttl_steps=10,
-                                          capacity_ttl_s=TTL_S, sps_warmup_s=5)
+        verifier, v_addr = start_verifier(path, logs, d_addr, s_addr, metrics_port=metrics_ports["verifier"], draft_len=0,
+                                          explore=0, draft_probe_every=1, report_interval_s=0.2, budget_ttl_steps=10,
+                                          budget_ttl_s=TTL_S, sps_warmup_s=5)
         services.append(verifier)
         wait_serving(v_addr, verifier, timeout=600)
         wait_registered(s_addr, 1, timeout=300)
@@ -79,12 +79,12 @@ def get_load(address: str):
         return verifier_pb2_grpc.VerifierStub(channel).GetLoad(verifier_pb2.GetLoadRequest(), timeout=10)
 
 
-def test_scheduler_capacity_drives_verification_and_output_stays_greedy(target, cluster):
+def test_scheduler_budget_drives_verification_and_output_stays_greedy(target, cluster):
     _, reference = target
     s_addr, v_addr = cluster["s_addr"], cluster["v_addr"]
     load = get_load(v_addr)
     assert len(load.sps) >= 5  # the warm-up profile (B = 1, 2, 4, ... 16 x (1 + 4)) before SERVING
-    assert all(p.steps_per_sec > 0 for p in load.sps)
+    assert all(p.step_seconds > 0 for p in load.sps)
     assert list(load.sps) == sorted(load.sps, key=lambda p: p.batch_tokens)
 
     normal = [StreamThread(s_addr, token_ids=p, max_tokens=MAX_TOKENS) for p in PROMPTS[:6]]
@@ -94,12 +94,12 @@ def test_scheduler_capacity_drives_verification_and_output_stays_greedy(target, 
     seen = []  # (K in force, from the scheduler?) as the verifier exports them while streams run
     while any(s.thread.is_alive() for s in everything):
         m = scrape(cluster["metrics"]["verifier"])
-        seen.append((m.get("dspark_capacity_k"), m.get("dspark_capacity_from_scheduler")))
+        seen.append((m.get("dspark_verify_budget"), m.get("dspark_verify_budget_from_scheduler")))
         time.sleep(0.1)
     results = [s.result() for s in everything]
     for result, want in zip(results, reference):
         assert list(result.token_ids) == want[:MAX_TOKENS]
-    # Static default K = 0 here: every verified draft token was admitted under the scheduler's K.
+    # Default budget 0 here: every verified draft token was admitted under the scheduler's budget.
     assert sum(r.metrics.draft_tokens for r in results[:6]) > 0
     assert any(source == 1.0 for _, source in seen), seen
     assert any(k is not None and k > 0 for k, source in seen if source == 1.0), seen
@@ -117,7 +117,7 @@ def test_scheduler_capacity_drives_verification_and_output_stays_greedy(target, 
     assert verifier_metrics["dspark_verified_tokens_per_request_count"] > 0
     scheduler_metrics = scrape(cluster["metrics"]["scheduler"])
     assert any(name.startswith("dspark_calibration_ece{") for name in scheduler_metrics)
-    assert any(name.startswith("dspark_scheduled_capacity_k{") for name in scheduler_metrics)
+    assert any(name.startswith("dspark_scheduled_verify_budget{") for name in scheduler_metrics)
 
 
 def test_scheduler_killed_mid_run_last_k_then_static_default(target, cluster):
@@ -126,24 +126,24 @@ def test_scheduler_killed_mid_run_last_k_then_static_default(target, cluster):
     port = cluster["metrics"]["verifier"]
     running = [StreamThread(v_addr, token_ids=p, max_tokens=LONG) for p in PROMPTS[:6]]  # straight to the verifier
     wait_until(lambda: all(len(s.tokens) >= 20 for s in running), 120, what="tokens flowing")
-    wait_until(lambda: scrape(port).get("dspark_capacity_from_scheduler") == 1.0, 60, what="scheduler K in force")
+    wait_until(lambda: scrape(port).get("dspark_verify_budget_from_scheduler") == 1.0, 60, what="scheduler budget in force")
     cluster["scheduler"].kill()
     killed = time.monotonic()
-    samples = []  # (seconds since the kill, from scheduler?, K, shortest stream so far)
+    samples = []  # (seconds since the kill, from scheduler?, budget, shortest stream so far)
     while any(s.thread.is_alive() for s in running):
         m = scrape(port)
-        samples.append((time.monotonic() - killed, m.get("dspark_capacity_from_scheduler"),
-                        m.get("dspark_capacity_k"), min(len(s.tokens) for s in running)))
+        samples.append((time.monotonic() - killed, m.get("dspark_verify_budget_from_scheduler"),
+                        m.get("dspark_verify_budget"), min(len(s.tokens) for s in running)))
         time.sleep(0.05)
     results = [s.result() for s in running]
     for result, want in zip(results, reference):
         assert list(result.token_ids) == want  # never a wrong token, with or without the scheduler
-    # Right after the kill the last K stays in force ...
+    # Right after the kill the last budget stays in force ...
     assert any(t < TTL_S * 0.7 and source == 1.0 for t, source, _, _ in samples), samples[:20]
-    # ... then, with streams still running, the static default (--k=0: K = 0 x requests).
+    # ... then, with streams still running, the static default (--draft-len=0: a budget of 0 x requests).
     fallback = [(t, k, progress) for t, source, k, progress in samples if source == 0.0]
     assert fallback and fallback[0][0] > TTL_S * 0.7, samples[:40]
     assert any(k == 0 and progress < LONG for _, k, progress in fallback), fallback[:20]
-    # A new request while the scheduler is gone: plain decoding under K = 0, still exact.
+    # A new request while the scheduler is gone: plain decoding under a budget of 0, still exact.
     late = StreamThread(v_addr, token_ids=PROMPTS[6], max_tokens=60).result()
     assert list(late.token_ids) == reference[6][:60] and late.metrics.draft_tokens == 0

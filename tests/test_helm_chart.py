@@ -315,12 +315,12 @@ def test_dashboard_covers_required_metrics():
     exprs = " ".join(t["expr"] for p in panels for t in p.get("targets", []))
     for metric in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
                    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
-                   "dspark_capacity_k", "dspark_calibration_ece", "dspark_queue_depth",
+                   "dspark_verify_budget", "dspark_calibration_ece", "dspark_queue_depth",
                    "dspark_step_latency_seconds_bucket", "dspark_generated_tokens_total",
                    "dspark_request_latency_seconds_bucket"):
         assert metric in exprs, metric
     titles = " ".join(p["title"].lower() for p in panels)
-    for word in ("tokens/s", "acceptance rate", "acceptance length", "per position", "capacity",
+    for word in ("tokens/s", "acceptance rate", "acceptance length", "per position", "verify budget",
                  "ece", "queue", "step latency", "request latency"):
         assert word in titles, word
     assert len({p["id"] for p in panels}) == len(panels)

@@ -210,7 +210,7 @@ def test_prometheus_counters_move_with_a_generation(cluster):
         after = scrape(ports["verifier"])
         pytest.fail(f"deltas {[(n, total(after, n) - total(before, n)) for n in expected]} != {expected}")
     after = scrape(ports["verifier"])
-    assert ("dspark_capacity_k", ()) in after
+    assert ("dspark_verify_budget", ()) in after
     assert total(scrape(ports["drafter"]), "dspark_drafter_requests_total") > total(drafter_before,
                                                                                    "dspark_drafter_requests_total")
     assert ("dspark_queue_depth", ()) in scrape(ports["scheduler"])

@@ -3,7 +3,7 @@ scheduler processes sharing a real Redis.
 
 Confidence logits come from a known over-confident model (test_calibration.overconfident_traffic:
 true survival sigmoid(t), reported logit 2.5 t) with outcomes sampled from the true model.
-The schedulers bin them into Redis, refit, and hand temperatures back in their Capacity
+The schedulers bin them into Redis, refit, and hand temperatures back in their BudgetDecision
 replies; the fit must calibrate as well as the offline fit_sts on the same traffic.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ from dspark.proto_gen.v1 import load_pb2, scheduler_pb2, scheduler_pb2_grpc
 from dspark.sched.calibration import OnlineCalibrationStats, apply_sts, fit_sts, sigmoid
 from dspark.sched.metrics import per_position_calibration
 from scheduler_svc.calibration_store import bins_key, sts_key
-from scheduler_svc.capacity import capacity_for, sps_table
+from dspark.sched.verify_budget import verify_budget
+from scheduler_svc.budget_planner import seconds_table
 from service_helpers import RedisServer, free_port, start_scheduler, wait_serving, wait_until
 from test_calibration import GAMMA, overconfident_traffic
 
@@ -28,7 +29,9 @@ pytestmark = pytest.mark.slow
 VERSION = "synthetic-dspark-v1"
 ROWS = 16  # blocks per step report
 RPC_S = 30  # generous: these machines may be starved of CPU
-SPS = [(1, 100.0), (2, 99.0), (4, 97.0), (8, 90.0), (16, 80.0), (32, 60.0), (64, 35.0), (128, 18.0)]
+# (batch tokens, step seconds) as a verifier publishes them: 100 steps/s at B = 1 down to 18 at B = 128.
+SPS = [(b, 1.0 / rate) for b, rate in [(1, 100.0), (2, 99.0), (4, 97.0), (8, 90.0), (16, 80.0), (32, 60.0),
+                                       (64, 35.0), (128, 18.0)]]
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +62,10 @@ def schedulers(redis_server, tmp_path_factory):
 
 def load(verifier_id: str) -> load_pb2.VerifierLoad:
     return load_pb2.VerifierLoad(verifier_id=verifier_id, max_batch=16, model="synthetic",
-                                 sps=[load_pb2.SpsPoint(batch_tokens=b, steps_per_sec=s) for b, s in SPS])
+                                 sps=[load_pb2.SpsPoint(batch_tokens=b, step_seconds=s) for b, s in SPS])
 
 
-def register(stub, verifier_id: str) -> load_pb2.Capacity:
+def register(stub, verifier_id: str) -> load_pb2.BudgetDecision:
     return stub.RegisterVerifier(scheduler_pb2.RegisterVerifierRequest(
         address="127.0.0.1:9", model="synthetic", drafter_kind="dspark", drafter_version=VERSION, gamma=GAMMA,
         load=load(verifier_id)), timeout=RPC_S)
@@ -80,8 +83,8 @@ def report(verifier_id: str, step: int, logits: np.ndarray, accepted, verified) 
                                             data=logits.tobytes()))
 
 
-def temperatures_of(capacity: load_pb2.Capacity) -> np.ndarray:
-    return np.frombuffer(capacity.calibration.temperatures.data, dtype="<f4").astype(np.float64)
+def temperatures_of(decision: load_pb2.BudgetDecision) -> np.ndarray:
+    return np.frombuffer(decision.calibration.temperatures.data, dtype="<f4").astype(np.float64)
 
 
 def scrape(port: int) -> str:
@@ -113,7 +116,7 @@ def test_online_sts_through_redis_matches_offline_fit(schedulers, redis_server):
             reply = stubs[i].ReportStep(report(f"synthetic-{i}", step, logits[rows], accepted_len[rows],
                                                verified_len[rows]), timeout=RPC_S)
         send_s = time.monotonic() - started
-        assert reply.decided  # the capacity rule answered as soon as confidences + SPS existed
+        assert reply.decided  # the two-step rule answered as soon as confidences + SPS existed
 
         # The accumulated bins in Redis are exactly the statistics of all the traffic (merge-safe).
         expected = OnlineCalibrationStats(GAMMA)
@@ -147,9 +150,9 @@ def test_online_sts_through_redis_matches_offline_fit(schedulers, redis_server):
             def newest(stub=stub, i=i):
                 reply = stub.Heartbeat(scheduler_pb2.HeartbeatRequest(load=load(f"synthetic-{i}")), timeout=RPC_S)
                 return reply.calibration.version >= version and reply
-            capacity = wait_until(newest, 60, what="the newest temperatures in the replies")
-            assert capacity.calibration.drafter_version == VERSION
-            np.testing.assert_allclose(temperatures_of(capacity), stored, rtol=1e-6)
+            decision = wait_until(newest, 60, what="the newest temperatures in the replies")
+            assert decision.calibration.drafter_version == VERSION
+            np.testing.assert_allclose(temperatures_of(decision), stored, rtol=1e-6)
 
         # Calibration quality, measured the reference evaluator's way (prefix survival per position).
         def position_ece(temperatures):
@@ -171,19 +174,20 @@ def test_online_sts_through_redis_matches_offline_fit(schedulers, redis_server):
         assert any(e is not None for e in exported)
         assert min(e for e in exported if e is not None) < 0.03
 
-        # Capacity: the two-step rule on the newest report, its temperatures and the published SPS.
+        # The budget: the two-step rule on the newest report, its temperatures and the published SPS.
         probe = logits[:ROWS] * 0.5
         reply = stubs[0].ReportStep(report("synthetic-0", 10**6, probe, np.zeros(ROWS, int), np.zeros(ROWS, int)),
                                     timeout=RPC_S)
-        sps = sps_table([(b, float(np.float32(s))) for b, s in SPS])
+        sps = seconds_table([(b, float(np.float32(s))) for b, s in SPS])
         assert reply.decided
-        assert reply.k == capacity_for(probe, temperatures_of(reply), sps)
-        assert reply.k != capacity_for(probe, None, sps)  # calibrated survivals changed the decision
+        assert reply.verify_budget == verify_budget(probe, temperatures_of(reply), sps)
+        assert reply.verify_budget != verify_budget(probe, None, sps)  # calibrated survivals changed the decision
         # An older report (out-of-order reply) does not replace the newer confidences.
         stale = stubs[0].ReportStep(report("synthetic-0", 5, logits[:ROWS] * 3, np.zeros(ROWS, int),
                                            np.zeros(ROWS, int)), timeout=RPC_S)
-        assert stale.k == reply.k
-        assert gauge(scrape(schedulers[0][1]), "dspark_scheduled_capacity_k", verifier_id="synthetic-0") == reply.k
+        assert stale.verify_budget == reply.verify_budget
+        assert gauge(scrape(schedulers[0][1]), "dspark_scheduled_verify_budget",
+                     verifier_id="synthetic-0") == reply.verify_budget
     finally:
         for channel in channels:
             channel.close()
@@ -222,8 +226,8 @@ def test_shipped_temperatures_are_the_prior_until_an_online_fit(schedulers):
         step = report("synthetic-prior", 1, logits, [0] * 4, [0] * 4)
         step.drafter_version = "shipped-prior-v1"
         reply = stub.ReportStep(step, timeout=RPC_S)
-        assert reply.decided and reply.k == capacity_for(logits, prior, sps_table(SPS))
-        assert reply.k != capacity_for(logits, None, sps_table(SPS))  # the prior made a difference
+        assert reply.decided and reply.verify_budget == verify_budget(logits, prior, seconds_table(SPS))
+        assert reply.verify_budget != verify_budget(logits, None, seconds_table(SPS))  # the prior made a difference
         assert not reply.HasField("calibration")  # no online fit to push yet
         for bad in (np.ones(GAMMA + 1), np.zeros(GAMMA)):  # wrong length, not positive
             with pytest.raises(grpc.RpcError) as error:

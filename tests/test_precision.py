@@ -11,7 +11,7 @@ from dspark.models import precision as prec
 from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams
 from dspark.spec.engine import SpecEngine
-from dspark.spec.policy import FixedK
+from dspark.spec.policy import FixedDraftLen
 from tests.spec_helpers import random_drafter, tiny_target
 
 FAST = ["int8", "bf16"]
@@ -95,10 +95,10 @@ def test_greedy_speculation_equals_plain_decoding_at_each_precision(precision, k
     prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
     params = [SamplingParams(max_tokens=m) for m in (30, 22, 35, 16)]
     plain = Engine(target, max_batch=4, max_len=256).generate(prompts, params)
-    engine = SpecEngine(target, drafter, FixedK(4), max_batch=4, max_len=256)
+    engine = SpecEngine(target, drafter, FixedDraftLen(4), max_batch=4, max_len=256)
     spec = engine.generate(prompts, [SamplingParams(max_tokens=p.max_tokens) for p in params])
     assert [s.output for s in spec] == [s.output for s in plain]
-    assert sum(s.metrics.draft_tokens for s in spec) > 0
+    assert sum(s.spec.metrics.draft_tokens for s in spec) > 0
 
 
 @pytest.mark.parametrize("precision", FAST)

@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from dspark.sched.prefix_scheduler import (
     admit_top_k,
-    capacity_from_confidences,
+    budget_from_survival,
     causal_greedy,
     lookahead_search,
     prefix_survival,
@@ -100,36 +100,36 @@ def test_rising_survival_is_rejected():
 # ---------------------------------------------------------------- two-step rule
 
 
-def test_capacity_finds_the_global_optimum_on_a_jagged_table():
+def test_budget_finds_the_global_optimum_on_a_jagged_table():
     a = np.array([[0.9, 0.5, 0.45, 0.4]])
     sps = SpsTable.from_sps({1: 1.0, 2: 0.6, 3: 0.35, 4: 0.5, 5: 0.3})
     # Theta(K): 1.0, 1.14, 0.84, 1.425, 0.975: a first-drop stop would settle on K = 1.
     assert causal_greedy(a, sps).tolist() == [1]
-    assert capacity_from_confidences(a, sps) == 3
+    assert budget_from_survival(a, sps) == 3
 
 
-def test_capacity_matches_exhaustive_search_on_random_cases():
+def test_budget_matches_exhaustive_search_on_random_cases():
     rng = np.random.default_rng(0)
     for _ in range(20):
         a = prefix_survival(rng.uniform(0.3, 1.0, size=(2, 3)))
         sps = SpsTable.from_sps({b: rng.uniform(0.2, 1.0) for b in range(2, 9)})
-        capacity = capacity_from_confidences(a, sps)
+        budget = budget_from_survival(a, sps)
         best = theta(lookahead_search(a, sps), a, sps)
-        assert theta(admit_top_k(a, capacity), a, sps) == pytest.approx(best)
+        assert theta(admit_top_k(a, budget), a, sps) == pytest.approx(best)
 
 
 def test_draft_cost_is_paid_only_when_drafting():
     # Flat SPS (memory-bound target): 1 request, survivals 0.6, 0.36, 0.216.
     a = prefix_survival(np.array([[0.6, 0.6, 0.6]]))
     sps = lambda tokens: np.full(np.shape(tokens), 10.0)  # noqa: E731  0.1 s per pass
-    assert capacity_from_confidences(a, sps) == 3  # free drafting: verify everything
+    assert budget_from_survival(a, sps) == 3  # free drafting: verify everything
     # Theta(3) = 2.176 / (0.1 + d) beats Theta(0) = 1 / 0.1 while d < 0.1176 s.
-    assert capacity_from_confidences(a, sps, draft_seconds=0.11) == 3
-    assert capacity_from_confidences(a, sps, draft_seconds=0.12) == 0
+    assert budget_from_survival(a, sps, draft_seconds=0.11) == 3
+    assert budget_from_survival(a, sps, draft_seconds=0.12) == 0
 
 
-def test_capacity_takes_smallest_on_ties():
-    assert capacity_from_confidences(np.zeros((2, 3)), lambda tokens: 1.0) == 0
+def test_budget_takes_smallest_on_ties():
+    assert budget_from_survival(np.zeros((2, 3)), lambda tokens: 1.0) == 0
 
 
 def test_admit_top_k_orders_by_survival_then_position():
@@ -153,11 +153,11 @@ def test_admit_top_k_is_the_prefix_closed_top_k_on_random_cases():
     for _ in range(50):
         conf = rng.choice([0.5, 0.8, 1.0], size=(4, 5))  # coarse values: many exact ties
         a = prefix_survival(conf)
-        capacity = int(rng.integers(0, 25))
+        budget = int(rng.integers(0, 25))
         caps = rng.integers(0, 6, size=4)
-        lengths = admit_top_k(a, capacity, caps)
+        lengths = admit_top_k(a, budget, caps)
         assert np.all(lengths <= caps)
-        assert lengths.sum() == min(capacity, caps.sum())
+        assert lengths.sum() == min(budget, caps.sum())
         key = lambda r, j: (-a[r, j], j, r)  # noqa: E731
         admitted = [key(r, j) for r in range(4) for j in range(lengths[r])]
         left_out = [key(r, j) for r in range(4) for j in range(lengths[r], caps[r])]
@@ -217,14 +217,14 @@ def cached_by_first_token(schedule):
 def two_step_scheduler(sps):
     """K from the survivals of two steps earlier (0 until there are any), top-K by current a.
     Like above, both decisions are cached by the first token they are computed from."""
-    capacity_after = lru_cache(maxsize=None)(lambda x1: capacity_from_confidences(block_survival(x1), sps))
-    length_for = lru_cache(maxsize=None)(lambda x1, capacity: int(admit_top_k(block_survival(x1), capacity)[0]))
+    budget_after = lru_cache(maxsize=None)(lambda x1: budget_from_survival(block_survival(x1), sps))
+    length_for = lru_cache(maxsize=None)(lambda x1, budget: int(admit_top_k(block_survival(x1), budget)[0]))
     earlier_first_tokens = deque(maxlen=2)
 
     def choose_length(x1):
-        capacity = capacity_after(earlier_first_tokens[0]) if len(earlier_first_tokens) == 2 else 0
+        budget = budget_after(earlier_first_tokens[0]) if len(earlier_first_tokens) == 2 else 0
         earlier_first_tokens.append(x1)
-        return length_for(x1, capacity)
+        return length_for(x1, budget)
 
     return choose_length
 
@@ -241,9 +241,9 @@ EPISODES = 20000
     [
         lambda a: lookahead_search(a, PAPER_SPS),
         # The two-step rule without its delay: K from the very drafts it admits is just as biased.
-        lambda a: admit_top_k(a, capacity_from_confidences(a, PAPER_SPS)),
+        lambda a: admit_top_k(a, budget_from_survival(a, PAPER_SPS)),
     ],
-    ids=["lookahead search", "capacity from current drafts"],
+    ids=["lookahead search", "budget from current drafts"],
 )
 def test_appendix_a_lookahead_is_biased(biased_schedule):
     """Paper Appendix A, rebuilt from DESIGN.md 1.4: 1 request, gamma = 2, c_1 = 0.8, c_2 set by
@@ -280,5 +280,5 @@ def test_appendix_a_cases_really_speculate():
     """Guard: the lossless cases above must actually verify drafts, or they would prove nothing."""
     cheaper = SpsTable.from_sps({1: 1.0, 2: 0.6, 3: 0.45})
     assert [causal_greedy(block_survival(x1), cheaper)[0] for x1 in (0, 1)] == [2, 1]
-    assert [capacity_from_confidences(block_survival(x1), PAPER_SPS) for x1 in (0, 1)] == [2, 0]
+    assert [budget_from_survival(block_survival(x1), PAPER_SPS) for x1 in (0, 1)] == [2, 0]
     assert [lookahead_search(block_survival(x1), PAPER_SPS)[0] for x1 in (0, 1)] == [2, 0]

@@ -53,7 +53,7 @@ def test_every_service_has_its_methods():
     expected = {
         generation_pb2: ("dspark.v1.Generation", {"Generate", "ListModels"}),
         drafter_pb2: ("dspark.v1.Drafter", {"DraftStream", "DrafterInfo"}),
-        verifier_pb2: ("dspark.v1.Verifier", {"Generate", "SetCapacity", "GetLoad"}),
+        verifier_pb2: ("dspark.v1.Verifier", {"Generate", "SetVerifyBudget", "GetLoad"}),
         scheduler_pb2: ("dspark.v1.Scheduler", {"RegisterVerifier", "Heartbeat", "ReportStep"}),
     }
     for module, (full_name, methods) in expected.items():
@@ -76,7 +76,7 @@ def test_every_service_has_its_methods():
 
 def test_no_repeated_floats_anywhere():
     """Wire rule: float arrays travel as Tensor. A float may appear only as a scalar field
-    (SpsPoint.steps_per_sec is one value per repeated message, not a float array)."""
+    (SpsPoint.step_seconds is one value per repeated message, not a float array)."""
     float_types = {FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE}
     for module in (tensor_pb2, generation_pb2, drafter_pb2, load_pb2, verifier_pb2, scheduler_pb2):
         for message in module.DESCRIPTOR.message_types_by_name.values():
@@ -117,15 +117,15 @@ def test_draft_exchange_round_trips_through_bytes():
     assert torch.equal(got, probs)
 
 
-def test_load_and_capacity_messages():
+def test_load_and_budget_messages():
     load = load_pb2.VerifierLoad(verifier_id="v0", running=3, queued=1, kv_use=0.25)
-    load.sps.add(batch_tokens=16, steps_per_sec=40.0)
-    capacity = load_pb2.Capacity(k=12)
-    capacity.calibration.version = 2
-    capacity.calibration.temperatures.CopyFrom(tensor_to_proto(torch.tensor([1.0, 1.2, 1.5])))
+    load.sps.add(batch_tokens=16, step_seconds=0.025)
+    decision = load_pb2.BudgetDecision(verify_budget=12)
+    decision.calibration.version = 2
+    decision.calibration.temperatures.CopyFrom(tensor_to_proto(torch.tensor([1.0, 1.2, 1.5])))
     report = scheduler_pb2.StepReport(verifier_id="v0", batch_size=2, verified_len=[3, 0], accepted_len=[1, 0])
     report.confidence_logits.CopyFrom(tensor_to_proto(torch.zeros(2, 7)))
     routed = verifier_pb2.RoutedGenerateRequest(request=generation_pb2.GenerateRequest(request_id="r", text="x"))
     routed.resume.streamed_token_ids.extend([4, 5])
-    for message in (load, capacity, report, routed):
+    for message in (load, decision, report, routed):
         assert type(message).FromString(message.SerializeToString()) == message

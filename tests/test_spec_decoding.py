@@ -8,7 +8,7 @@ import torch
 from dspark.sampling import SamplingParams
 from dspark.spec.engine import SpecEngine
 from dspark.spec.errors import DrafterUnavailable
-from dspark.spec.policy import FixedK
+from dspark.spec.policy import FixedDraftLen
 from tests.spec_helpers import OracleDrafter, greedy_reference, random_drafter, tiny_target
 
 KINDS = ["dspark", "dflash", "eagle3"]
@@ -25,13 +25,13 @@ def test_greedy_identical_with_random_drafter(kind, concurrent):
     target = tiny_target()
     prompts = prompts_of([5, 17, 9, 30, 3, 12, 22, 7][:concurrent])
     max_tokens = [40, 25, 33, 18, 40, 29, 11, 37][:concurrent]
-    engine = SpecEngine(target, random_drafter(target, kind), FixedK(4), max_batch=8, max_len=256)
+    engine = SpecEngine(target, random_drafter(target, kind), FixedDraftLen(4), max_batch=8, max_len=256)
     seqs = engine.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
     for seq, m, p in zip(seqs, max_tokens, prompts):
         assert seq.output == greedy_reference(target, [p], m)[0]
-    total = seqs[0].metrics
+    total = seqs[0].spec.metrics
     for s in seqs[1:]:
-        total = total.merge(s.metrics)
+        total = total.merge(s.spec.metrics)
     assert total.draft_tokens > 0  # speculation really happened
 
 
@@ -42,13 +42,13 @@ def test_oracle_drafter_gives_tau_gamma_plus_one():
     max_tokens = 1 + steps * (gamma + 1)  # prefill token, then full blocks
     refs = greedy_reference(target, prompts, max_tokens)
     reference = {f"r{i}": p + r for i, (p, r) in enumerate(zip(prompts, refs))}
-    engine = SpecEngine(target, OracleDrafter(gamma, [1, 2], reference), FixedK(gamma), max_batch=4, max_len=256)
+    engine = SpecEngine(target, OracleDrafter(gamma, [1, 2], reference), FixedDraftLen(gamma), max_batch=4, max_len=256)
     seqs = [engine.add(p, SamplingParams(max_tokens=max_tokens), req_id=f"r{i}") for i, p in enumerate(prompts)]
     while engine.has_work():
         engine.step()
     for seq, ref in zip(seqs, refs):
         assert seq.output == ref
-        m = seq.metrics
+        m = seq.spec.metrics
         assert m.drafts == steps and m.draft_tokens == steps * gamma and m.accepted_tokens == steps * gamma
         assert m.acceptance_length == gamma + 1
         assert m.accepted_per_pos == [steps] * gamma
@@ -75,7 +75,7 @@ def test_drafter_failures_fall_back_to_plain_decoding():
     target = tiny_target()
     prompts = prompts_of([8, 13])
     drafter = FlakyDrafter(random_drafter(target, "dspark"))
-    engine = SpecEngine(target, drafter, FixedK(3), max_batch=4, max_len=256)
+    engine = SpecEngine(target, drafter, FixedDraftLen(3), max_batch=4, max_len=256)
     seqs = engine.generate(prompts, SamplingParams(max_tokens=30))
     assert [s.output for s in seqs] == greedy_reference(target, prompts, 30)
     assert drafter.calls > 4
@@ -83,13 +83,13 @@ def test_drafter_failures_fall_back_to_plain_decoding():
 
 def test_per_request_cap_disables_speculation():
     target = tiny_target()
-    engine = SpecEngine(target, random_drafter(target, "dflash"), FixedK(4), max_batch=4, max_len=256)
-    off = engine.add(prompts_of([9])[0], SamplingParams(max_tokens=20), max_draft=0)
-    capped = engine.add(prompts_of([7], seed=3)[0], SamplingParams(max_tokens=20), max_draft=2)
+    engine = SpecEngine(target, random_drafter(target, "dflash"), FixedDraftLen(4), max_batch=4, max_len=256)
+    off = engine.add(prompts_of([9])[0], SamplingParams(max_tokens=20), draft_len=0)
+    capped = engine.add(prompts_of([7], seed=3)[0], SamplingParams(max_tokens=20), draft_len=2)
     while engine.has_work():
         engine.step()
-    assert off.metrics.draft_tokens == 0 and off.metrics.steps > 0
-    assert capped.metrics.draft_tokens > 0 and max(len(capped.metrics.verified_per_pos), 0) <= 2
+    assert off.spec.metrics.draft_tokens == 0 and off.spec.metrics.steps > 0
+    assert capped.spec.metrics.draft_tokens > 0 and max(len(capped.spec.metrics.verified_per_pos), 0) <= 2
 
 
 # ---- sampled outputs: same distribution as plain sampling -------------------------------------
@@ -129,7 +129,7 @@ def test_sampled_first_tokens_match_plain_sampling(params):
     prompt = [1, 2, 3]
     n = 20_000
     plain = _first_tokens(lambda: Engine(target, max_batch=2000, max_len=16), prompt, params, n)
-    spec = _first_tokens(lambda: SpecEngine(target, drafter, FixedK(3), max_batch=2000, max_len=16),
+    spec = _first_tokens(lambda: SpecEngine(target, drafter, FixedDraftLen(3), max_batch=2000, max_len=16),
                          prompt, params, n)
     keys = sorted(set(plain) | set(spec))
     # pool rare outcomes so every expected count is large enough for chi-square
@@ -143,19 +143,29 @@ def test_sampled_first_tokens_match_plain_sampling(params):
     assert p_value > 0.001, (p_value, table)
 
 
-def test_confidence_policy_is_lossless_and_adapts_capacity():
-    from dspark.spec.confidence_policy import ConfidencePolicy
+def test_confidence_policy_is_lossless_and_adapts_its_budget_to_the_target_cost():
+    from dspark.sched.budget_source import TwoStepBudget
+    from dspark.spec.policy import ConfidencePolicy
 
     target = tiny_target()
     prompts = prompts_of([5, 17, 9, 30, 3, 12])
-    cheap = ConfidencePolicy(lambda b: 1.0 / (1.0 + 0.001 * np.asarray(b)), static_k=2, explore=0.1)
+    # A target whose pass costs almost nothing more per extra token: verifying every draft pays,
+    # so once two drafted steps of confidences exist the budget goes past the default 2 per request.
+    cheap = ConfidencePolicy(TwoStepBudget(lambda b: 1.0 / (1.0 + 0.001 * np.asarray(b)), default_draft_len=2),
+                             explore=0.1)
     engine = SpecEngine(target, random_drafter(target, "dspark"), cheap, max_batch=8, max_len=256)
-    seqs = engine.generate(prompts, SamplingParams(max_tokens=30))
+    seqs = [engine.add(p, SamplingParams(max_tokens=30)) for p in prompts]
+    over_default = 0
+    while engine.has_work():
+        engine.step()
+        report = engine.last_report
+        over_default += report.drafted and cheap.budget_in_force > 2 * len(report.req_ids)
     assert [s.output for s in seqs] == greedy_reference(target, prompts, 30)
-    assert cheap.last_k is not None and len(cheap.history) == 2
+    assert over_default >= 5, over_default
     # A target whose cost explodes with batch tokens: the rule verifies nothing.
     # It then skips the drafter (plain decoding) but for a probe every `probe_every` steps.
-    steep = ConfidencePolicy(lambda b: 1.0 / np.asarray(b, dtype=float) ** 4, static_k=2, probe_every=8)
+    steep = ConfidencePolicy(TwoStepBudget(lambda b: 1.0 / np.asarray(b, dtype=float) ** 4, default_draft_len=2),
+                             probe_every=8)
     drafter = random_drafter(target, "dspark")
     engine = SpecEngine(target, drafter, steep, max_batch=8, max_len=256)
     drafted_steps, steps = 0, 0
@@ -165,13 +175,13 @@ def test_confidence_policy_is_lossless_and_adapts_capacity():
         steps += 1
         drafted_steps += engine.last_report.drafted
     assert [s.output for s in seqs] == greedy_reference(target, prompts, 30)
-    assert steep.last_k == 0
+    assert steep.budget_in_force == 0
     assert 2 <= drafted_steps <= 1 + steps // 8, (drafted_steps, steps)  # the first step, then probes only
-    # Drafting that costs more than a target pass: K = 0 even with a flat SPS and sure drafts.
-    costly = ConfidencePolicy(lambda b: 10.0, static_k=2, draft_cost=lambda r: 1.0)
-    assert costly.capacity(2) == 4  # no confidences yet: the static K
-    costly.history.append(np.full((2, 4), 0.5))
-    assert costly.capacity(2) == 0 and not costly.should_draft(2)
-    free = ConfidencePolicy(lambda b: 10.0, static_k=2, draft_cost=lambda r: 0.01)
-    free.history.append(np.full((2, 4), 0.5))
-    assert free.capacity(2) > 0 and free.should_draft(2)
+    # Drafting that costs more than a target pass: budget 0 even with a flat SPS and sure drafts.
+    costly = TwoStepBudget(lambda b: 10.0, default_draft_len=2, draft_cost=lambda r: 1.0)
+    assert costly.budget(2) == 4  # no confidences yet: the default per request
+    costly.observe(np.full((2, 4), 0.5))
+    assert costly.budget(2) == 0 and not ConfidencePolicy(costly).should_draft(2)
+    free = TwoStepBudget(lambda b: 10.0, default_draft_len=2, draft_cost=lambda r: 0.01)
+    free.observe(np.full((2, 4), 0.5))
+    assert free.budget(2) > 0 and ConfidencePolicy(free).should_draft(2)

@@ -1,6 +1,6 @@
 """python -m verifier_svc --port=50052 --health-port=50060 --metrics-port=9400 --model=smollm2-135m
        --drafter-addr=HOST:50053 --scheduler-addr=HOST:50051 [--redis-url=...] [--verifier-id=...]
-       [--max-batch=16] [--max-len=2048] [--k=K] [--schedule=on|off]
+       [--max-batch=16] [--max-len=2048] [--draft-len=N] [--schedule=on|off]
 
 --drafter-addr empty = plain decoding; --scheduler-addr empty = no reports (direct use only).
 """
@@ -18,7 +18,7 @@ from dspark.serving import metrics, tracing
 from dspark.serving.config import common_parser, env
 from dspark.serving.server import GrpcApp, setup_logging
 from dspark.spec.engine import SpecEngine
-from verifier_svc.capacity_control import CapacityControl
+from verifier_svc.budget_control import BudgetControl
 from verifier_svc.remote_drafter import RemoteDrafter
 from verifier_svc.reporter import SchedulerReporter, make_load
 from verifier_svc.runner import EngineRunner
@@ -42,19 +42,21 @@ def parse_args(argv=None):
     add_precision_flag(ap)
     ap.add_argument("--max-batch", type=int, default=int(env("DSPARK_MAX_BATCH", 16)))
     ap.add_argument("--max-len", type=int, default=int(env("DSPARK_MAX_LEN", 2048)))
-    ap.add_argument("--k", type=int, default=int(env("DSPARK_K", -1)),
-                    help="draft tokens verified per request per step (default: the drafter's block size)")
+    ap.add_argument("--draft-len", type=int, default=int(env("DSPARK_DRAFT_LEN", -1)),
+                    help="draft tokens a request verifies per step when not scheduled, and per request while the "
+                         "scheduler is silent (default: the drafter's block size)")
     ap.add_argument("--schedule", choices=["on", "off"], default=env("DSPARK_SCHEDULE", "on"),
-                    help="on: verify the scheduler's K (two-step rule, --k is the fallback); off: always --k per request")
+                    help="on: spend the scheduler's verify budget (two-step rule; --draft-len is the fallback); "
+                         "off: always --draft-len per request")
     ap.add_argument("--explore", type=float, default=float(env("DSPARK_EXPLORE", 0.05)),
                     help="share of requests that verify their whole block anyway (labels for low-confidence tails)")
     ap.add_argument("--draft-probe-every", type=int, default=int(env("DSPARK_DRAFT_PROBE_EVERY", 16)),
-                    help="while the scheduler's K is 0 the drafter is skipped but for every N-th step, whose "
+                    help="while the scheduler's budget is 0 the drafter is skipped but for every N-th step, whose "
                          "confidences tell when drafting pays again (1 = draft every step)")
-    ap.add_argument("--capacity-ttl-steps", type=int, default=int(env("DSPARK_CAPACITY_TTL_STEPS", 100)),
-                    help="the scheduler's last K stays in force this many steps without a fresh one ...")
-    ap.add_argument("--capacity-ttl-s", type=float, default=float(env("DSPARK_CAPACITY_TTL_S", 5)),
-                    help="... and this many seconds (both must pass), then the static default --k applies")
+    ap.add_argument("--budget-ttl-steps", type=int, default=int(env("DSPARK_BUDGET_TTL_STEPS", 100)),
+                    help="the scheduler's last budget stays in force this many steps without a fresh one ...")
+    ap.add_argument("--budget-ttl-s", type=float, default=float(env("DSPARK_BUDGET_TTL_S", 5)),
+                    help="... and this many seconds (both must pass), then --draft-len per request applies")
     ap.add_argument("--sps-warmup-s", type=float, default=float(env("DSPARK_SPS_WARMUP_S", 10)),
                     help="time budget of the SPS warm-up profile before serving (0 = none: live steps only)")
     ap.add_argument("--report-interval-s", type=float, default=float(env("DSPARK_REPORT_INTERVAL_S", 0.5)),
@@ -74,19 +76,17 @@ async def serve(args) -> None:
     core = VerifierCore(args.default_max_tokens)
     if args.draft_probe_every < 1:
         raise SystemExit("--draft-probe-every must be >= 1")
-    control = CapacityControl(args.explore, args.capacity_ttl_steps, args.capacity_ttl_s, args.sps_warmup_s,
+    control = BudgetControl(args.explore, args.budget_ttl_steps, args.budget_ttl_s, args.sps_warmup_s,
                               args.draft_probe_every)
 
     def load_fn():
         return control.fill_load(make_load(args.verifier_id, core.runner, args.max_batch, args.max_len,
-                                           core.model_name, 0))
+                                           core.model_name))
 
-    def set_capacity(capacity) -> None:  # Capacity replies and SetCapacity pushes: K and temperatures
-        control.apply(capacity)
 
     app = GrpcApp("verifier", args, [
         (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(core), "dspark.v1.Generation"),
-        (verifier_pb2_grpc.add_VerifierServicer_to_server, VerifierService(core, load_fn, set_capacity),
+        (verifier_pb2_grpc.add_VerifierServicer_to_server, VerifierService(core, load_fn, control.apply),
          "dspark.v1.Verifier"),
     ])
     await app.start()
@@ -100,11 +100,11 @@ async def serve(args) -> None:
         else:
             log.error("no drafter at %s after %.0f s: serving with plain decoding", args.drafter_addr,
                       args.drafter_wait_s)
-    k = (args.k if args.k >= 0 else drafter.gamma) if drafter is not None else 0
-    engine = SpecEngine(loaded.model, drafter, control.make_policy(drafter, k, args.schedule == "on"), max_batch=args.max_batch,
-                        max_len=args.max_len)
+    draft_len = (args.draft_len if args.draft_len >= 0 else drafter.gamma) if drafter is not None else 0
+    policy = control.make_policy(drafter, draft_len, args.schedule == "on")
+    engine = SpecEngine(loaded.model, drafter, policy, max_batch=args.max_batch, max_len=args.max_len)
     await control.warmup(engine, args.max_batch)
-    metrics.CAPACITY_K.set(control.k_in_force)
+    metrics.VERIFY_BUDGET.set(policy.budget_in_force)
 
     reporter = None
     if args.scheduler_addr:
@@ -113,7 +113,7 @@ async def serve(args) -> None:
             drafter_version=drafter.version if drafter else "", gamma=drafter.gamma if drafter else 0)
         if drafter is not None and drafter.info.HasField("sts_temperatures"):
             register.sts_temperatures.CopyFrom(drafter.info.sts_temperatures)
-        reporter = SchedulerReporter(args.scheduler_addr, register, load_fn, set_capacity,
+        reporter = SchedulerReporter(args.scheduler_addr, register, load_fn, control.apply,
                                      interval_s=args.report_interval_s)
 
     def on_step(report) -> None:  # engine thread: cheap bookkeeping only
@@ -143,8 +143,9 @@ async def serve(args) -> None:
         reporter.start()
         app.on_shutdown.insert(0, reporter.close)
     app.on_shutdown.append(lambda: asyncio.to_thread(runner.stop))
-    log.info("verifier %s serving %s (%s matmuls) at %s (drafter: %s, k=%d, max batch %d, max len %d)",
-             args.verifier_id, loaded.name, loaded.model.precision, args.advertise_addr, drafter.kind if drafter else "none", k, args.max_batch, args.max_len)
+    log.info("verifier %s serving %s (%s matmuls) at %s (drafter: %s, draft len %d, max batch %d, "
+             "max len %d)", args.verifier_id, loaded.name, loaded.model.precision, args.advertise_addr,
+             drafter.kind if drafter else "none", draft_len, args.max_batch, args.max_len)
     await app.set_serving()
     await app.wait_for_termination()
 

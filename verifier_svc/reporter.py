@@ -3,7 +3,7 @@
 The engine thread only appends its step reports to a bounded deque (never blocks, drops the
 oldest when the scheduler is slow); an asyncio task registers, heartbeats the load every
 ~0.5 s and flushes the step reports. If the scheduler is gone, calls fail fast, the reports
-are dropped and the verifier keeps serving with the capacity it last had.
+are dropped and the verifier keeps serving with the verify budget it last had.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerReporter:
-    def __init__(self, address: str, register: scheduler_pb2.RegisterVerifierRequest, load_fn, on_capacity,
+    def __init__(self, address: str, register: scheduler_pb2.RegisterVerifierRequest, load_fn, on_decision,
                  interval_s: float = 0.5, max_message_mb: float = 16):
-        self.address, self.register, self.load_fn, self.on_capacity = address, register, load_fn, on_capacity
+        self.address, self.register, self.load_fn, self.on_decision = address, register, load_fn, on_decision
         self.interval_s = interval_s
         self.channel = aio_channel(address, max_message_mb)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
@@ -62,17 +62,17 @@ class SchedulerReporter:
                 load = self.load_fn()
                 if not registered:
                     self.register.load.CopyFrom(load)
-                    capacity = await self.stub.RegisterVerifier(self.register, timeout=1.0)
+                    decision = await self.stub.RegisterVerifier(self.register, timeout=1.0)
                     registered = True
                     log.info("registered with the scheduler at %s", self.address)
                 else:
-                    capacity = await self.stub.Heartbeat(scheduler_pb2.HeartbeatRequest(load=load), timeout=1.0)
-                self.on_capacity(capacity)
+                    decision = await self.stub.Heartbeat(scheduler_pb2.HeartbeatRequest(load=load), timeout=1.0)
+                self.on_decision(decision)
                 batch = [self.reports.popleft() for _ in range(len(self.reports))]
                 if batch:
                     replies = await asyncio.gather(*(self.stub.ReportStep(self._step_proto(*item), timeout=1.0)
                                                      for item in batch))
-                    self.on_capacity(replies[-1])  # K from the newest confidences, newest temperatures
+                    self.on_decision(replies[-1])  # the budget from the newest confidences, newest temperatures
             except grpc.aio.AioRpcError as error:
                 if registered:
                     log.warning("scheduler at %s unreachable (%s); still serving", self.address, error.code().name)
@@ -83,7 +83,7 @@ class SchedulerReporter:
             await asyncio.sleep(self.interval_s)
 
 
-def make_load(verifier_id: str, runner, max_batch: int, max_len: int, model: str, k: int) -> load_pb2.VerifierLoad:
+def make_load(verifier_id: str, runner, max_batch: int, max_len: int, model: str) -> load_pb2.VerifierLoad:
     return load_pb2.VerifierLoad(verifier_id=verifier_id, running=runner.running, queued=runner.queued,
-                                 kv_use=runner.kv_use(), capacity=k, max_batch=max_batch,
+                                 kv_use=runner.kv_use(), max_batch=max_batch,
                                  max_context_tokens=max_len, model=model)

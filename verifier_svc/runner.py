@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.sampling import SamplingParams
-from dspark.spec.engine import SpecEngine
+from dspark.spec.engine import EngineRequest, SpecEngine
 from dspark.spec.metrics import SpecMetrics
 
 log = logging.getLogger(__name__)
@@ -31,10 +30,7 @@ class Event:
 
 @dataclass
 class Job:
-    req_id: str
-    prompt: list[int]
-    params: SamplingParams
-    max_draft: int | None
+    request: EngineRequest
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq: object = None
@@ -107,7 +103,7 @@ class EngineRunner:
                 stepped.append((job, tokens))
                 if seq.done:
                     del self._jobs[seq.req_id]
-                    job.deliver(Event(tokens, seq.finish.value, seq.metrics))
+                    job.deliver(Event(tokens, seq.finish.value, seq.spec.metrics))
                 elif tokens:
                     job.deliver(Event(tokens))
             if spans is not None:
@@ -124,11 +120,11 @@ class EngineRunner:
             if kind == "add":
                 self.inbox_size -= 1
                 try:
-                    job.seq = self.engine.add(job.prompt, job.params, req_id=job.req_id, max_draft=job.max_draft)
-                    self._jobs[job.req_id] = job
+                    job.seq = self.engine.submit(job.request)
+                    self._jobs[job.seq.req_id] = job
                 except ValueError as error:  # checked before submit; belt and braces
                     job.deliver(Event([], "abort", error=str(error)))
-            elif kind == "abort" and self._jobs.pop(job.req_id, None) is not None:
+            elif kind == "abort" and job.seq is not None and self._jobs.pop(job.seq.req_id, None) is not None:
                 self.engine.abort(job.seq)
             try:
                 kind, job = self._inbox.get_nowait()

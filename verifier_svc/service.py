@@ -18,6 +18,7 @@ from dspark.serving import metrics, tracing
 from dspark.serving.requests import (RequestError, check_prompt_fits, check_request, check_token_ids,
                                      sampling_params)
 from dspark.serving.textstream import TextStream
+from dspark.spec.engine import EngineRequest
 from dspark.spec.metrics import SpecMetrics
 from verifier_svc.runner import Job
 
@@ -104,9 +105,9 @@ class VerifierCore:
             yield pb.GenerateChunk(request_id=req_id, offset=len(streamed), finish_reason=pb.FINISH_REASON_LENGTH,
                                    metrics=prior or pb.SpecMetrics(prompt_tokens=len(prompt)))
             return
-        spec = request.speculation
-        max_draft = 0 if spec.disable else (spec.max_draft_tokens or None)
-        job = Job(req_id, prompt + streamed, params, max_draft, asyncio.get_running_loop())
+        spec = request.speculation  # the request's draft_len: 0 = no speculation, None = the drafter's block
+        draft_len = 0 if spec.disable else (spec.max_draft_tokens or None)
+        job = Job(EngineRequest(prompt + streamed, params, req_id, draft_len), asyncio.get_running_loop())
         if span.is_recording():
             job.span = span  # the engine thread hangs this request's step spans under it
             span.set_attributes({"dspark.request_id": req_id, "dspark.prompt_tokens": len(prompt),
@@ -131,7 +132,7 @@ class VerifierCore:
                     chunk.finish_reason = pb.FINISH_REASON_STOP if stop_hit else FINISH[event.finish]
                     if event.error:
                         chunk.finish_reason, chunk.error = pb.FINISH_REASON_ERROR, event.error
-                    chunk.metrics.CopyFrom(metrics_proto(event.metrics or job.seq.metrics, len(prompt),
+                    chunk.metrics.CopyFrom(metrics_proto(event.metrics or job.seq.spec.metrics, len(prompt),
                                                          offset, prior))
                     metrics.REQUEST_LATENCY.observe(time.perf_counter() - started)
                     span.set_attributes({"dspark.generated_tokens": offset,
@@ -159,17 +160,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
 
 class VerifierService(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, core: VerifierCore, load_fn, set_capacity):
-        self.core, self.load_fn, self.set_capacity = core, load_fn, set_capacity
+    def __init__(self, core: VerifierCore, load_fn, apply_budget):
+        self.core, self.load_fn, self.apply_budget = core, load_fn, apply_budget
 
     async def Generate(self, request, context):
         resume = request.resume if request.HasField("resume") else None
         async for chunk in self.core.generate(request.request, resume, context):
             yield chunk
 
-    async def SetCapacity(self, request, context):
-        self.set_capacity(request)
-        return verifier_pb2.SetCapacityResponse()
+    async def SetVerifyBudget(self, request, context):
+        self.apply_budget(request)
+        return verifier_pb2.SetVerifyBudgetResponse()
 
     async def GetLoad(self, request, context):
         if not self.core.ready:

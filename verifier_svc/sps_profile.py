@@ -1,4 +1,4 @@
-"""The verifier's SPS table (DESIGN.md 1.4): seconds of a step without drafting per batch-token
+"""The verifier's SPS table (docs/method.md): seconds of a step without drafting per batch-token
 count B, and the draft-cost table: seconds drafting adds per number of requests R.
 
 At start, before the verifier reports SERVING, `warmup_profile` times a few target passes at
@@ -96,7 +96,7 @@ class LiveSps:
 
     def points(self) -> list[load_pb2.SpsPoint]:
         """The table for VerifierLoad.sps, ascending B."""
-        return [load_pb2.SpsPoint(batch_tokens=b, steps_per_sec=1.0 / s) for b, s in self.items()]
+        return [load_pb2.SpsPoint(batch_tokens=b, step_seconds=s) for b, s in self.items()]
 
     def draft_cost_points(self) -> list[load_pb2.DraftCostPoint]:
         """This table read as a draft-cost table (count = requests), for VerifierLoad.draft_cost."""

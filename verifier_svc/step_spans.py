@@ -30,7 +30,7 @@ class StepSpans:
         """Before a step: `jobs` are those of the running requests (None entries are skipped)."""
         self.step += 1
         self.started = time.time_ns()
-        self.open = {job.req_id: self._start(job) for job in jobs if job is not None and job.span is not None}
+        self.open = {job.request.req_id: self._start(job) for job in jobs if job is not None and job.span is not None}
 
     def carrier(self, req_id: str) -> dict[str, str]:
         """Trace context of this request's current step, for its SequenceUpdate."""
@@ -43,13 +43,13 @@ class StepSpans:
         for job, tokens in stepped:
             if job.span is None:
                 continue
-            span = self.open.pop(job.req_id, None)
+            span = self.open.pop(job.request.req_id, None)
             prefill = span is None  # not running before the step: admitted and prefilled in it
             span = span or self._start(job)
-            verified, accepted = outcome.get(job.req_id, (0, 0))
+            verified, accepted = outcome.get(job.request.req_id, (0, 0))
             span.set_attributes({
                 "dspark.batch_size": report.batch_size, "dspark.batch_tokens": report.batch_tokens,
-                "dspark.prefill": prefill, "dspark.draft_tokens": verified,  # l_r: what capacity K gave it
+                "dspark.prefill": prefill, "dspark.draft_tokens": verified,  # l_r: its share of the verify budget
                 "dspark.accepted_tokens": accepted, "dspark.new_tokens": len(tokens)})
             span.end()
         for span in self.open.values():  # cancelled during the step, or the step failed

@@ -30,19 +30,17 @@ class Sequence:
     generator: torch.Generator | None = None
     max_len: int | None = None  # context limit of the engine (prompt + output)
     captured: list = field(default_factory=list)  # (features, final hidden) per pass, when asked
-    # Speculation: target features of decided positions (bf16 chunks) and how many the drafter has.
-    feature_log: list = field(default_factory=list)
-    drafter_synced: int = 0
-    max_draft: int | None = None  # per-request cap on draft tokens per step (0 disables speculation)
-    metrics: object = None
+    spec: object = None  # dspark.spec.engine.SpecState under speculative decoding
 
     def __post_init__(self):
         if self.generator is None:
             self.generator = self.params.make_generator()
+        self._tokens = self.prompt + self.output  # kept in step with output: O(1) per token
 
     @property
     def tokens(self) -> list[int]:
-        return self.prompt + self.output
+        """Prompt then output (the engine's own list: read it, do not change it)."""
+        return self._tokens
 
     @property
     def done(self) -> bool:
@@ -55,6 +53,7 @@ class Sequence:
     def append(self, token: int, eos_ids: tuple[int, ...]) -> None:
         """Add a decided token and set finish when a stop condition is met."""
         self.output.append(token)
+        self._tokens.append(token)
         if token in eos_ids or token in self.params.stop_token_ids:
             self.finish = FinishReason.STOP
         elif len(self.output) >= self.params.max_tokens:

@@ -1,11 +1,11 @@
-"""Hardware-aware prefix scheduler (DESIGN.md 1.4).
+"""Hardware-aware prefix scheduler: the math under the two-step rule (docs/method.md).
 
 For requests r with prefix survival a[r, j] (j = 0..gamma-1 is draft token j+1), verifying
 lengths l_r puts B = sum_r (1 + l_r) tokens through the target and yields
 tau = sum_r (1 + sum_{j < l_r} a[r, j]) expected tokens. Throughput is Theta = tau * SPS(B).
 
 `sps` is any callable B -> steps per second (an `SpsTable`, or a plain function in tests);
-`capacity_from_confidences` calls it once with an int array of every B it considers.
+`budget_from_survival` calls it once with an int array of every B it considers.
 
 Losslessness rule behind every function here: whether draft token x_k is verified may depend
 on x_1..x_{k-1} (through a_k) and on other requests, never on x_k itself. Since a_k only
@@ -89,8 +89,8 @@ def lookahead_search(a: np.ndarray, sps) -> np.ndarray:
     return best
 
 
-def capacity_from_confidences(a_two_steps_ago: np.ndarray, sps, draft_seconds: float = 0.0) -> int:
-    """Two-step rule: capacity K from the survivals of two steps ago.
+def budget_from_survival(a_two_steps_ago: np.ndarray, sps, draft_seconds: float = 0.0) -> int:
+    """Two-step rule: a step's verify budget K from the survivals of two steps ago.
 
     Global search over every K = 0..R*gamma on the real (jagged) SPS table, no early stop:
     with K draft tokens the best tau is R + (sum of the K largest survivals), which is prefix
@@ -111,8 +111,8 @@ def capacity_from_confidences(a_two_steps_ago: np.ndarray, sps, draft_seconds: f
     return int(np.argmax(theta))  # argmax returns the first (smallest K) maximum
 
 
-def admit_top_k(a_current: np.ndarray, capacity: int, caps: np.ndarray | None = None) -> np.ndarray:
-    """Verification lengths [R]: the `capacity` best draft tokens by current survival.
+def admit_top_k(a_current: np.ndarray, budget: int, caps: np.ndarray | None = None) -> np.ndarray:
+    """Verification lengths [R]: the `budget` best draft tokens by current survival.
 
     Ties are broken by position (lower j first, then lower r), so a token never comes before
     its own prefix. caps[r] limits request r to its first caps[r] drafts (0 = no speculation).
@@ -124,6 +124,6 @@ def admit_top_k(a_current: np.ndarray, capacity: int, caps: np.ndarray | None = 
     caps = np.clip(np.asarray(caps, dtype=np.int64), 0, gamma)
     eligible = np.arange(gamma)[None, :] < caps[:, None]
     rows, _ = _rank_order(a, eligible)
-    chosen_rows = rows[: max(int(capacity), 0)]
+    chosen_rows = rows[: max(int(budget), 0)]
     # The chosen set is prefix closed, so counting per request gives the lengths.
     return np.bincount(chosen_rows, minlength=num_requests).astype(np.int64)

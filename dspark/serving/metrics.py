@@ -14,11 +14,12 @@ STEP_LATENCY = Histogram("dspark_step_latency_seconds", "Verifier step latency",
                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 REQUEST_LATENCY = Histogram("dspark_request_latency_seconds", "Request latency, first byte in to last chunk out",
                             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250))
-CAPACITY_K = Gauge("dspark_capacity_k", "Capacity K in force: draft tokens the next step may verify, whole batch "
-                   "(confidence-scheduled) or per request (fixed K)")
-CAPACITY_FROM_SCHEDULER = Gauge("dspark_capacity_from_scheduler",
-                                "1 while the scheduler's K is in force, 0 on the static default (--k)")
-DRAFT_SKIPPED_STEPS = Counter("dspark_draft_skipped_steps", "Decode steps that skipped the drafter (K = 0: plain "
+VERIFY_BUDGET = Gauge("dspark_verify_budget", "Verify budget in force: draft tokens the last step let the whole "
+                      "batch verify")
+VERIFY_BUDGET_FROM_SCHEDULER = Gauge("dspark_verify_budget_from_scheduler",
+                                     "1 while the scheduler's budget is in force, 0 on the default (--draft-len per "
+                                     "request)")
+DRAFT_SKIPPED_STEPS = Counter("dspark_draft_skipped_steps", "Decode steps that skipped the drafter (budget 0: plain "
                               "decoding, drafting would cost more than it saves)")
 VERIFIED_PER_REQUEST = Histogram("dspark_verified_tokens_per_request", "Draft tokens verified per request per step",
                                  buckets=(0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16))
@@ -33,8 +34,8 @@ DRAFTER_CONTEXTS = Gauge("dspark_drafter_contexts", "Request contexts held by th
 # Scheduler.
 QUEUE_DEPTH = Gauge("dspark_queue_depth", "Requests waiting for a verifier with room")
 RESUMED = Counter("dspark_resumed_requests", "Requests resumed on another verifier after losing theirs")
-SCHEDULED_K = Gauge("dspark_scheduled_capacity_k", "Capacity K last computed for a verifier (two-step rule)",
-                    ["verifier_id"])
+SCHEDULED_VERIFY_BUDGET = Gauge("dspark_scheduled_verify_budget",
+                                "Verify budget last computed for a verifier (two-step rule)", ["verifier_id"])
 CALIBRATION_ECE = Gauge("dspark_calibration_ece", "Online calibration: ECE of the calibrated per-token confidence "
                         "at each block position (1-based), from the accumulated statistics", ["position"])
 CALIBRATION_VERSION = Gauge("dspark_calibration_version", "Version of the newest STS temperatures",

@@ -10,6 +10,9 @@ Per step, for the running batch:
 A request that just arrived is prefilled in the same pass and sampled like plain decoding (a
 verification with zero drafts). If the drafter fails, the step verifies no drafts. A policy
 may skip drafting for a step (`should_draft`), which then is plain decoding.
+
+A request's draft_len (EngineRequest.draft_len) caps what it verifies per step; the policy
+(dspark/spec/policy.py) spends the step's verify budget within those caps.
 """
 from __future__ import annotations
 
@@ -24,8 +27,43 @@ from dspark.engine.sequence import Sequence
 from dspark.sampling import logits_to_probs
 from dspark.spec.errors import DrafterUnavailable
 from dspark.spec.metrics import SpecMetrics
-from dspark.spec.policy import FixedK
+from dspark.sampling import SamplingParams
+from dspark.spec.policy import FixedDraftLen, SpeculationPolicy
 from dspark.spec.rejection import draw_uniforms, rejection_sample_auto
+
+
+@dataclass
+class EngineRequest:
+    """A request as the serving layer hands it to the engine thread."""
+    prompt: list[int]
+    params: SamplingParams
+    req_id: str
+    draft_len: int | None = None  # most draft tokens it verifies per step (None: the block; 0: none)
+
+
+@dataclass
+class SpecState:
+    """One request's speculative state: its draft_len, the target features of its decided
+    positions (kept for the drafter, in a buffer that grows by doubling: O(new rows) per step),
+    how many of them the drafter has, and its acceptance metrics."""
+    draft_len: int | None = None
+    drafter_synced: int = 0
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    _features: torch.Tensor | None = None
+    _logged: int = 0
+
+    def log_features(self, rows: torch.Tensor) -> None:
+        n, new = self._logged, rows.shape[0]
+        if self._features is None or n + new > self._features.shape[0]:
+            grown = rows.new_empty((max(64, 2 * (n + new)), *rows.shape[1:]))
+            if self._features is not None:
+                grown[:n] = self._features[:n]
+            self._features = grown
+        self._features[n:n + new] = rows
+        self._logged = n + new
+
+    def features(self, start: int, stop: int) -> torch.Tensor:
+        return self._features[start:min(stop, self._logged)]
 
 
 @dataclass
@@ -37,7 +75,7 @@ class StepReport:
     draft_seconds: float = 0.0
     drafted: bool = False  # whether the drafter ran this step (draft_seconds is its cost then)
     # Requests that had a draft block this step, verified or not (verified may be 0): the
-    # capacity rule needs the confidences of the whole batch, calibration only the verified.
+    # budget rule needs the confidences of the whole batch, calibration only the verified.
     req_ids: list[str] = field(default_factory=list)
     conf_logits: torch.Tensor | None = None  # [R, gamma] raw confidences of those drafts
     verified: list[int] = field(default_factory=list)
@@ -45,21 +83,23 @@ class StepReport:
 
 
 class SpecEngine(Engine):
-    def __init__(self, model, drafter=None, policy=None, **kw):
+    def __init__(self, model, drafter=None, policy: SpeculationPolicy | None = None, **kw):
         self.drafter = drafter
-        self.policy = policy or FixedK(drafter.gamma if drafter is not None else 0)
+        self.policy = policy or FixedDraftLen(drafter.gamma if drafter is not None else 0)
         super().__init__(model, capture_layers=tuple(drafter.ctx_layers) if drafter is not None else (), **kw)
         self.last_report = StepReport()
 
-    def add(self, prompt, params=None, req_id=None, max_draft: int | None = None) -> Sequence:
+    def add(self, prompt, params=None, req_id=None, draft_len: int | None = None) -> Sequence:
         seq = super().add(prompt, params, req_id)
-        seq.max_draft = max_draft
-        seq.metrics = SpecMetrics()
+        seq.spec = SpecState(draft_len)
         return seq
+
+    def submit(self, request: EngineRequest) -> Sequence:
+        return self.add(request.prompt, request.params, request.req_id, request.draft_len)
 
     def _release(self, seq: Sequence) -> None:
         super()._release(seq)
-        seq.feature_log = []
+        seq.spec._features = None  # the metrics stay for the caller
         if self.drafter is not None:
             try:
                 self.drafter.release(seq.req_id)
@@ -69,26 +109,27 @@ class SpecEngine(Engine):
     # ---- drafting ---------------------------------------------------------------------------
     def _sync_drafter(self, seq: Sequence) -> None:
         """Send the drafter the target features of decided positions it has not seen."""
+        spec = seq.spec
         have = self.drafter.context_len(seq.req_id)
-        if have != seq.drafter_synced:  # it lost or kept extra state: resend from what it has
-            seq.drafter_synced = min(have, seq.drafter_synced)
-            self.drafter.rollback(seq.req_id, seq.drafter_synced)
-        if seq.drafter_synced < seq.cached:
-            feats = torch.cat(seq.feature_log)[seq.drafter_synced:seq.cached]
-            toks = torch.tensor(seq.tokens[seq.drafter_synced:seq.cached])
+        if have != spec.drafter_synced:  # it lost or kept extra state: resend from what it has
+            spec.drafter_synced = min(have, spec.drafter_synced)
+            self.drafter.rollback(seq.req_id, spec.drafter_synced)
+        if spec.drafter_synced < seq.cached:
+            feats = spec.features(spec.drafter_synced, seq.cached)
+            toks = torch.tensor(seq.tokens[spec.drafter_synced:seq.cached])
             self.drafter.extend_context(seq.req_id, feats.float(), toks)
-            seq.drafter_synced = seq.cached
+            spec.drafter_synced = seq.cached
 
     def _draft(self, seqs: list[Sequence]):
         if self.drafter is None or not seqs:
             return None, [0] * len(seqs)
-        caps = [self._cap(s) for s in seqs]
+        caps = [self._draft_len(s) for s in seqs]
         if max(caps) == 0:
             return None, caps
         # A seeded sampled request must replay exactly, so its verification length may not
         # depend on other requests or on the scheduler's state: it verifies a fixed number.
         seeded = [s.params.seed is not None and s.params.temperature > 0 for s in seqs]
-        fixed = self._seeded_length()
+        fixed = self.policy.default_draft_len
         if not self.policy.should_draft(len(seqs)) and not (fixed and any(seeded)):
             return None, [0] * len(seqs)
         try:
@@ -106,17 +147,11 @@ class SpecEngine(Engine):
                 lens[i] = min(caps[i], fixed)
         return block, lens
 
-    def _seeded_length(self) -> int:
-        """Drafts a seeded sampled request verifies: the policy's fixed or static K."""
-        for name in ("k", "static_k"):
-            if hasattr(self.policy, name):
-                return int(getattr(self.policy, name))
-        return 0
-
-    def _cap(self, seq: Sequence) -> int:
-        """Most drafts this request may verify: block size, its override, room left."""
+    def _draft_len(self, seq: Sequence) -> int:
+        """Most drafts this request may verify this step: its draft_len, the block size, room left."""
         room = min(self.max_len - seq.cached - 1, seq.params.max_tokens - len(seq.output) - 1)
-        cap = self.drafter.gamma if seq.max_draft is None else min(seq.max_draft, self.drafter.gamma)
+        draft_len = seq.spec.draft_len
+        cap = self.drafter.gamma if draft_len is None else min(draft_len, self.drafter.gamma)
         return max(0, min(cap, room))
 
     # ---- one step ---------------------------------------------------------------------------
@@ -168,7 +203,7 @@ class SpecEngine(Engine):
             rows_i = slice(first, first + kept)
             first += n_head + lens[i]
             if self.capture_layers:
-                seq.feature_log.append(out.features[rows_i].to(torch.bfloat16))
+                seq.spec.log_features(out.features[rows_i].to(torch.bfloat16))
             seq.cached += kept
             self.cache.rollback(seq.slot, seq.cached)
             new = []
@@ -178,7 +213,7 @@ class SpecEngine(Engine):
                 if seq.done:
                     break
             if i >= len(admitted):
-                seq.metrics.record(lens[i], n_acc, len(new))
+                seq.spec.metrics.record(lens[i], n_acc, len(new))
                 if block is not None:
                     report.req_ids.append(seq.req_id)
                     report.verified.append(lens[i])

@@ -1,32 +1,103 @@
 """How many draft tokens each request verifies this step, and whether to draft at all.
 
-The speculative loop asks a policy, before drafting, whether this step drafts (`should_draft`:
-a step that would verify nothing should not pay for a draft), then, after drafting, for
-per-request lengths. FixedK is the baseline; the confidence scheduler (two-step rule) plugs in
-through the same two methods. A policy sees the drafts' confidences, never the draft tokens'
-target probabilities, so it cannot bias the output.
+The speculative loop asks its policy once per step, before drafting, whether to draft
+(`should_draft`: a step that would verify nothing should not pay for a draft), then, with the
+drafts in hand, for per-request lengths, each within that request's draft_len. A policy sees the
+drafts' confidences, never the draft tokens' target probabilities, so it cannot bias the output.
+
+  FixedDraftLen     every request verifies up to draft_len (baseline; drafters without confidences)
+  ConfidencePolicy  the two-step rule: a verify budget from a BudgetSource (dspark/sched/
+                    budget_source.py), spent on the current drafts by calibrated prefix survival
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from dspark.sched.prefix_scheduler import admit_top_k
+from dspark.sched.verify_budget import calibrated_survival
 
 
-@dataclass
-class FixedK:
-    k: int
+class SpeculationPolicy(Protocol):
+    default_draft_len: int  # what a seeded sampled request verifies: its replay may not depend on others
+    budget_in_force: int  # draft tokens the last decision let the whole batch verify (metrics, load)
+
+    def should_draft(self, num_requests: int) -> bool: ...
+
+    def lengths(self, block, draft_lens: list[int]) -> list[int]: ...
+
+
+class FixedDraftLen:
+    def __init__(self, draft_len: int):
+        self.default_draft_len = self.budget_in_force = max(0, int(draft_len))
 
     def should_draft(self, num_requests: int) -> bool:
-        return self.k > 0
+        return self.default_draft_len > 0
 
-    def lengths(self, block, caps: list[int]) -> list[int]:
-        """block: the DraftBlock (unused here); caps: per-request upper bounds (room, overrides)."""
-        return [max(0, min(self.k, c)) for c in caps]
+    def lengths(self, block, draft_lens: list[int]) -> list[int]:
+        """block: the DraftBlock (unused here); draft_lens: per-request caps (override, room left)."""
+        lengths = [max(0, min(self.default_draft_len, c)) for c in draft_lens]
+        self.budget_in_force = sum(lengths)
+        return lengths
 
 
-@dataclass
-class NoSpeculation:
+class ConfidencePolicy:
+    """The top verify-budget drafts by current calibrated prefix survival, the budget from `source`.
+
+    Budget 0 means drafting does not pay for itself (weak drafts, or a batch large enough that the
+    target is compute-bound): the next steps skip the drafter entirely, plain decoding, except for
+    a probe after `probe_every` skipped steps, whose drafts refresh the confidences the budget is
+    computed from. While probes keep finding 0 the gap between them doubles, up to 4 x probe_every,
+    so a steady "no" costs little; any budget > 0 resets it. The decision uses older confidences
+    only, so skipping cannot bias the output either.
+    """
+
+    def __init__(self, source, temperatures=None, explore: float = 0.0, seed: int = 0, probe_every: int = 16):
+        """source: TwoStepBudget or ScheduledBudget; temperatures: STS per block position (None: T = 1);
+        explore: share of requests that verify their whole draft_len anyway, so low-confidence
+        tails keep getting labels for calibration."""
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
+        self.source, self.explore, self.probe_every = source, explore, probe_every
+        self.temperatures = None if temperatures is None else np.asarray(temperatures, dtype=np.float64)
+        self.rng = np.random.default_rng(seed)
+        self.skipped = 0  # steps skipped since the last draft
+        self.probe_interval = probe_every  # skipped steps before the next probe
+        self.budget_in_force = source.default_draft_len
+
+    @property
+    def default_draft_len(self) -> int:
+        return self.source.default_draft_len
+
+    def set_temperatures(self, temperatures) -> None:
+        self.temperatures = None if temperatures is None else np.asarray(temperatures, dtype=np.float64)
+
     def should_draft(self, num_requests: int) -> bool:
-        return False
+        self.source.tick()
+        if self.probe_every == 1 or self.source.next_budget(num_requests) > 0:
+            self.skipped, self.probe_interval = 0, self.probe_every
+            return True
+        self.skipped += 1
+        if self.skipped < self.probe_interval:
+            self.budget_in_force = 0
+            return False
+        self.skipped = 0  # a probe; should it find 0 again, the next one waits longer
+        self.probe_interval = min(2 * self.probe_interval, 4 * self.probe_every)
+        return True
 
-    def lengths(self, block, caps: list[int]) -> list[int]:
-        return [0] * len(caps)
+    def lengths(self, block, draft_lens: list[int]) -> list[int]:
+        if block is None or block.conf_logits is None:  # no confidences: a fixed length
+            lengths = [min(self.default_draft_len, c) for c in draft_lens]
+            self.budget_in_force = self.default_draft_len * len(draft_lens)
+            self.source.from_scheduler = False
+            return lengths
+        survival = calibrated_survival(block.conf_logits, self.temperatures)
+        self.budget_in_force = self.source.budget(len(draft_lens))
+        self.source.observe(survival)
+        lengths = admit_top_k(survival, self.budget_in_force, np.asarray(draft_lens))
+        if self.explore > 0:
+            # Chosen independently of the drafts, so exploring cannot bias the output.
+            full = self.rng.random(len(draft_lens)) < self.explore
+            lengths = np.where(full, np.asarray(draft_lens), lengths)
+        return [int(x) for x in lengths]

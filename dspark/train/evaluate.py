@@ -1,6 +1,6 @@
 """Stage 3: acceptance length per dataset, per-position acceptance, confidence quality.
 
-Target in the loop, chain drafting with the full block verified every step (FixedK(gamma)),
+Target in the loop, chain drafting with the full block verified every step (FixedDraftLen(gamma)),
 at temperature 0 and 1, on the evaluation prompts (first turn) vendored under datasets/eval.
 For DSpark also: AUROC and ECE per position before and after STS, and reliability diagrams.
 
@@ -24,7 +24,7 @@ from dspark.sched.calibration import apply_sts
 from dspark.sched.metrics import per_position_calibration, plot_reliability, prefix_survival_pairs
 from dspark.spec.engine import SpecEngine
 from dspark.spec.metrics import SpecMetrics
-from dspark.spec.policy import FixedK
+from dspark.spec.policy import FixedDraftLen
 
 EVAL_DIR = Path(__file__).resolve().parents[2] / "datasets" / "eval"  # vendored with its license
 DATASETS = ["gsm8k", "humaneval", "math500", "mbpp", "mt-bench"]
@@ -47,7 +47,7 @@ class Run:
 def run_drafter(model, drafter, prompts: list[list[int]], temperature: float, max_tokens: int,
                 batch: int = 8, seed: int = 0, progress=None) -> Run:
     """Generate every prompt with the drafter in the loop; collect metrics and confidence labels."""
-    engine = SpecEngine(model, drafter, FixedK(drafter.gamma), max_batch=batch, max_len=2048)
+    engine = SpecEngine(model, drafter, FixedDraftLen(drafter.gamma), max_batch=batch, max_len=2048)
     run = Run()
     seqs = [engine.add(p, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i))
             for i, p in enumerate(prompts)]
@@ -61,7 +61,7 @@ def run_drafter(model, drafter, prompts: list[list[int]], temperature: float, ma
         if progress:
             progress(sum(len(t) for _, t in events))
     for s in seqs:
-        run.metrics = run.metrics.merge(s.metrics)
+        run.metrics = run.metrics.merge(s.spec.metrics)
     return run
 
 

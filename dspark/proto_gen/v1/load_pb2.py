@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import tensor_pb2 as dspark_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64spark/v1/load.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/tensor.proto\"7\n\x08SpsPoint\x12\x14\n\x0c\x62\x61tch_tokens\x18\x01 \x01(\r\x12\x15\n\rsteps_per_sec\x18\x02 \x01(\x02\"3\n\x0e\x44raftCostPoint\x12\x10\n\x08requests\x18\x01 \x01(\r\x12\x0f\n\x07seconds\x18\x02 \x01(\x02\"\x92\x02\n\x0cVerifierLoad\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x0e\n\x06kv_use\x18\x04 \x01(\x02\x12 \n\x03sps\x18\x05 \x03(\x0b\x32\x13.dspark.v1.SpsPoint\x12\x10\n\x08\x63\x61pacity\x18\x06 \x01(\r\x12\x1b\n\x13\x63\x61libration_version\x18\x07 \x01(\x04\x12\x11\n\tmax_batch\x18\x08 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\t \x01(\r\x12\r\n\x05model\x18\n \x01(\t\x12-\n\ndraft_cost\x18\x0b \x03(\x0b\x32\x19.dspark.v1.DraftCostPoint\"`\n\x0b\x43\x61libration\x12\x17\n\x0f\x64rafter_version\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\'\n\x0ctemperatures\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\"S\n\x08\x43\x61pacity\x12\t\n\x01k\x18\x01 \x01(\r\x12+\n\x0b\x63\x61libration\x18\x02 \x01(\x0b\x32\x16.dspark.v1.Calibration\x12\x0f\n\x07\x64\x65\x63ided\x18\x03 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64spark/v1/load.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/tensor.proto\"<\n\x08SpsPoint\x12\x14\n\x0c\x62\x61tch_tokens\x18\x01 \x01(\r\x12\x14\n\x0cstep_seconds\x18\x03 \x01(\x02J\x04\x08\x02\x10\x03\"3\n\x0e\x44raftCostPoint\x12\x10\n\x08requests\x18\x01 \x01(\r\x12\x0f\n\x07seconds\x18\x02 \x01(\x02\"\x97\x02\n\x0cVerifierLoad\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x0e\n\x06kv_use\x18\x04 \x01(\x02\x12 \n\x03sps\x18\x05 \x03(\x0b\x32\x13.dspark.v1.SpsPoint\x12\x15\n\rverify_budget\x18\x06 \x01(\r\x12\x1b\n\x13\x63\x61libration_version\x18\x07 \x01(\x04\x12\x11\n\tmax_batch\x18\x08 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\t \x01(\r\x12\r\n\x05model\x18\n \x01(\t\x12-\n\ndraft_cost\x18\x0b \x03(\x0b\x32\x19.dspark.v1.DraftCostPoint\"`\n\x0b\x43\x61libration\x12\x17\n\x0f\x64rafter_version\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\'\n\x0ctemperatures\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\"e\n\x0e\x42udgetDecision\x12\x15\n\rverify_budget\x18\x01 \x01(\r\x12+\n\x0b\x63\x61libration\x18\x02 \x01(\x0b\x32\x16.dspark.v1.Calibration\x12\x0f\n\x07\x64\x65\x63ided\x18\x03 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dspark.v1.load_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SPSPOINT']._serialized_start=59
-  _globals['_SPSPOINT']._serialized_end=114
-  _globals['_DRAFTCOSTPOINT']._serialized_start=116
-  _globals['_DRAFTCOSTPOINT']._serialized_end=167
-  _globals['_VERIFIERLOAD']._serialized_start=170
-  _globals['_VERIFIERLOAD']._serialized_end=444
-  _globals['_CALIBRATION']._serialized_start=446
-  _globals['_CALIBRATION']._serialized_end=542
-  _globals['_CAPACITY']._serialized_start=544
-  _globals['_CAPACITY']._serialized_end=627
+  _globals['_SPSPOINT']._serialized_end=119
+  _globals['_DRAFTCOSTPOINT']._serialized_start=121
+  _globals['_DRAFTCOSTPOINT']._serialized_end=172
+  _globals['_VERIFIERLOAD']._serialized_start=175
+  _globals['_VERIFIERLOAD']._serialized_end=454
+  _globals['_CALIBRATION']._serialized_start=456
+  _globals['_CALIBRATION']._serialized_end=552
+  _globals['_BUDGETDECISION']._serialized_start=554
+  _globals['_BUDGETDECISION']._serialized_end=655
 # @@protoc_insertion_point(module_scope)

@@ -38,17 +38,17 @@ class SchedulerStub:
         self.RegisterVerifier = channel.unary_unary(
                 '/dspark.v1.Scheduler/RegisterVerifier',
                 request_serializer=dspark_dot_v1_dot_scheduler__pb2.RegisterVerifierRequest.SerializeToString,
-                response_deserializer=dspark_dot_v1_dot_load__pb2.Capacity.FromString,
+                response_deserializer=dspark_dot_v1_dot_load__pb2.BudgetDecision.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/dspark.v1.Scheduler/Heartbeat',
                 request_serializer=dspark_dot_v1_dot_scheduler__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=dspark_dot_v1_dot_load__pb2.Capacity.FromString,
+                response_deserializer=dspark_dot_v1_dot_load__pb2.BudgetDecision.FromString,
                 _registered_method=True)
         self.ReportStep = channel.unary_unary(
                 '/dspark.v1.Scheduler/ReportStep',
                 request_serializer=dspark_dot_v1_dot_scheduler__pb2.StepReport.SerializeToString,
-                response_deserializer=dspark_dot_v1_dot_load__pb2.Capacity.FromString,
+                response_deserializer=dspark_dot_v1_dot_load__pb2.BudgetDecision.FromString,
                 _registered_method=True)
 
 
@@ -79,17 +79,17 @@ def add_SchedulerServicer_to_server(servicer, server):
             'RegisterVerifier': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterVerifier,
                     request_deserializer=dspark_dot_v1_dot_scheduler__pb2.RegisterVerifierRequest.FromString,
-                    response_serializer=dspark_dot_v1_dot_load__pb2.Capacity.SerializeToString,
+                    response_serializer=dspark_dot_v1_dot_load__pb2.BudgetDecision.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
                     request_deserializer=dspark_dot_v1_dot_scheduler__pb2.HeartbeatRequest.FromString,
-                    response_serializer=dspark_dot_v1_dot_load__pb2.Capacity.SerializeToString,
+                    response_serializer=dspark_dot_v1_dot_load__pb2.BudgetDecision.SerializeToString,
             ),
             'ReportStep': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportStep,
                     request_deserializer=dspark_dot_v1_dot_scheduler__pb2.StepReport.FromString,
-                    response_serializer=dspark_dot_v1_dot_load__pb2.Capacity.SerializeToString,
+                    response_serializer=dspark_dot_v1_dot_load__pb2.BudgetDecision.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -118,7 +118,7 @@ class Scheduler:
             target,
             '/dspark.v1.Scheduler/RegisterVerifier',
             dspark_dot_v1_dot_scheduler__pb2.RegisterVerifierRequest.SerializeToString,
-            dspark_dot_v1_dot_load__pb2.Capacity.FromString,
+            dspark_dot_v1_dot_load__pb2.BudgetDecision.FromString,
             options,
             channel_credentials,
             insecure,
@@ -145,7 +145,7 @@ class Scheduler:
             target,
             '/dspark.v1.Scheduler/Heartbeat',
             dspark_dot_v1_dot_scheduler__pb2.HeartbeatRequest.SerializeToString,
-            dspark_dot_v1_dot_load__pb2.Capacity.FromString,
+            dspark_dot_v1_dot_load__pb2.BudgetDecision.FromString,
             options,
             channel_credentials,
             insecure,
@@ -172,7 +172,7 @@ class Scheduler:
             target,
             '/dspark.v1.Scheduler/ReportStep',
             dspark_dot_v1_dot_scheduler__pb2.StepReport.SerializeToString,
-            dspark_dot_v1_dot_load__pb2.Capacity.FromString,
+            dspark_dot_v1_dot_load__pb2.BudgetDecision.FromString,
             options,
             channel_credentials,
             insecure,

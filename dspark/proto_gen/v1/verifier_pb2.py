@@ -26,7 +26,7 @@ from . import generation_pb2 as dspark_dot_v1_dot_generation__pb2
 from . import load_pb2 as dspark_dot_v1_dot_load__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64spark/v1/verifier.proto\x12\tdspark.v1\x1a\x1a\x64spark/v1/generation.proto\x1a\x14\x64spark/v1/load.proto\"h\n\nResumeInfo\x12\x1a\n\x12streamed_token_ids\x18\x01 \x03(\x03\x12\x15\n\rstreamed_text\x18\x02 \x01(\t\x12\'\n\x07metrics\x18\x03 \x01(\x0b\x32\x16.dspark.v1.SpecMetrics\"k\n\x15RoutedGenerateRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.dspark.v1.GenerateRequest\x12%\n\x06resume\x18\x02 \x01(\x0b\x32\x15.dspark.v1.ResumeInfo\"\x15\n\x13SetCapacityResponse\"\x10\n\x0eGetLoadRequest2\xd7\x01\n\x08Verifier\x12H\n\x08Generate\x12 .dspark.v1.RoutedGenerateRequest\x1a\x18.dspark.v1.GenerateChunk0\x01\x12\x42\n\x0bSetCapacity\x12\x13.dspark.v1.Capacity\x1a\x1e.dspark.v1.SetCapacityResponse\x12=\n\x07GetLoad\x12\x19.dspark.v1.GetLoadRequest\x1a\x17.dspark.v1.VerifierLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64spark/v1/verifier.proto\x12\tdspark.v1\x1a\x1a\x64spark/v1/generation.proto\x1a\x14\x64spark/v1/load.proto\"h\n\nResumeInfo\x12\x1a\n\x12streamed_token_ids\x18\x01 \x03(\x03\x12\x15\n\rstreamed_text\x18\x02 \x01(\t\x12\'\n\x07metrics\x18\x03 \x01(\x0b\x32\x16.dspark.v1.SpecMetrics\"k\n\x15RoutedGenerateRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.dspark.v1.GenerateRequest\x12%\n\x06resume\x18\x02 \x01(\x0b\x32\x15.dspark.v1.ResumeInfo\"\x19\n\x17SetVerifyBudgetResponse\"\x10\n\x0eGetLoadRequest2\xe5\x01\n\x08Verifier\x12H\n\x08Generate\x12 .dspark.v1.RoutedGenerateRequest\x1a\x18.dspark.v1.GenerateChunk0\x01\x12P\n\x0fSetVerifyBudget\x12\x19.dspark.v1.BudgetDecision\x1a\".dspark.v1.SetVerifyBudgetResponse\x12=\n\x07GetLoad\x12\x19.dspark.v1.GetLoadRequest\x1a\x17.dspark.v1.VerifierLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,10 +37,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESUMEINFO']._serialized_end=193
   _globals['_ROUTEDGENERATEREQUEST']._serialized_start=195
   _globals['_ROUTEDGENERATEREQUEST']._serialized_end=302
-  _globals['_SETCAPACITYRESPONSE']._serialized_start=304
-  _globals['_SETCAPACITYRESPONSE']._serialized_end=325
-  _globals['_GETLOADREQUEST']._serialized_start=327
-  _globals['_GETLOADREQUEST']._serialized_end=343
-  _globals['_VERIFIER']._serialized_start=346
-  _globals['_VERIFIER']._serialized_end=561
+  _globals['_SETVERIFYBUDGETRESPONSE']._serialized_start=304
+  _globals['_SETVERIFYBUDGETRESPONSE']._serialized_end=329
+  _globals['_GETLOADREQUEST']._serialized_start=331
+  _globals['_GETLOADREQUEST']._serialized_end=347
+  _globals['_VERIFIER']._serialized_start=350
+  _globals['_VERIFIER']._serialized_end=579
 # @@protoc_insertion_point(module_scope)

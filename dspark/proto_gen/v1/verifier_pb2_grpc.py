@@ -41,10 +41,10 @@ class VerifierStub:
                 request_serializer=dspark_dot_v1_dot_verifier__pb2.RoutedGenerateRequest.SerializeToString,
                 response_deserializer=dspark_dot_v1_dot_generation__pb2.GenerateChunk.FromString,
                 _registered_method=True)
-        self.SetCapacity = channel.unary_unary(
-                '/dspark.v1.Verifier/SetCapacity',
-                request_serializer=dspark_dot_v1_dot_load__pb2.Capacity.SerializeToString,
-                response_deserializer=dspark_dot_v1_dot_verifier__pb2.SetCapacityResponse.FromString,
+        self.SetVerifyBudget = channel.unary_unary(
+                '/dspark.v1.Verifier/SetVerifyBudget',
+                request_serializer=dspark_dot_v1_dot_load__pb2.BudgetDecision.SerializeToString,
+                response_deserializer=dspark_dot_v1_dot_verifier__pb2.SetVerifyBudgetResponse.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/dspark.v1.Verifier/GetLoad',
@@ -63,7 +63,7 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def SetCapacity(self, request, context):
+    def SetVerifyBudget(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,10 +83,10 @@ def add_VerifierServicer_to_server(servicer, server):
                     request_deserializer=dspark_dot_v1_dot_verifier__pb2.RoutedGenerateRequest.FromString,
                     response_serializer=dspark_dot_v1_dot_generation__pb2.GenerateChunk.SerializeToString,
             ),
-            'SetCapacity': grpc.unary_unary_rpc_method_handler(
-                    servicer.SetCapacity,
-                    request_deserializer=dspark_dot_v1_dot_load__pb2.Capacity.FromString,
-                    response_serializer=dspark_dot_v1_dot_verifier__pb2.SetCapacityResponse.SerializeToString,
+            'SetVerifyBudget': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetVerifyBudget,
+                    request_deserializer=dspark_dot_v1_dot_load__pb2.BudgetDecision.FromString,
+                    response_serializer=dspark_dot_v1_dot_verifier__pb2.SetVerifyBudgetResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
@@ -132,7 +132,7 @@ class Verifier:
             _registered_method=True)
 
     @staticmethod
-    def SetCapacity(request,
+    def SetVerifyBudget(request,
             target,
             options=(),
             channel_credentials=None,
@@ -145,9 +145,9 @@ class Verifier:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/dspark.v1.Verifier/SetCapacity',
-            dspark_dot_v1_dot_load__pb2.Capacity.SerializeToString,
-            dspark_dot_v1_dot_verifier__pb2.SetCapacityResponse.FromString,
+            '/dspark.v1.Verifier/SetVerifyBudget',
+            dspark_dot_v1_dot_load__pb2.BudgetDecision.SerializeToString,
+            dspark_dot_v1_dot_verifier__pb2.SetVerifyBudgetResponse.FromString,
             options,
             channel_credentials,
             insecure,

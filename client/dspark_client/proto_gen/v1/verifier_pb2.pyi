@@ -26,7 +26,7 @@ class RoutedGenerateRequest(_message.Message):
     resume: ResumeInfo
     def __init__(self, request: _Optional[_Union[_generation_pb2.GenerateRequest, _Mapping]] = ..., resume: _Optional[_Union[ResumeInfo, _Mapping]] = ...) -> None: ...
 
-class SetCapacityResponse(_message.Message):
+class SetVerifyBudgetResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

@@ -1,6 +1,6 @@
-"""In-process units of confidence scheduling's service pieces: the verifier's ScheduledPolicy
-(scheduler K, fallback, temperatures), the SPS warm-up, the scheduler's CapacityPlanner and
-OnlineCalibrator on the in-process store."""
+"""In-process units of confidence scheduling's service pieces: the verifier's BudgetControl and
+its ConfidencePolicy on a ScheduledBudget (scheduler budget, fallback, temperatures), the SPS
+warm-up, the scheduler's BudgetPlanner and OnlineCalibrator on the in-process store."""
 from __future__ import annotations
 
 import asyncio
@@ -12,14 +12,17 @@ import torch
 
 from dspark.engine.generate import Engine
 from dspark.proto_gen.v1 import load_pb2, tensor_pb2
+from dspark.sched.budget_source import ScheduledBudget
 from dspark.sched.calibration import OnlineCalibrationStats, apply_sts
 from dspark.sched.prefix_scheduler import admit_top_k
+from dspark.sched.verify_budget import calibrated_survival, verify_budget
+from dspark.spec.policy import ConfidencePolicy
+from scheduler_svc.budget_planner import BudgetPlanner, seconds_table
 from scheduler_svc.calibration_store import Fit, MemoryCalibrationStore
-from scheduler_svc.capacity import CapacityPlanner, capacity_for, sps_table
 from scheduler_svc.online_calibration import OnlineCalibrator
 from spec_helpers import tiny_target
 from test_calibration import GAMMA, overconfident_traffic
-from verifier_svc.scheduled_policy import ScheduledPolicy
+from verifier_svc.budget_control import BudgetControl
 from verifier_svc.sps_profile import profile_token_counts, warmup_profile
 
 
@@ -41,47 +44,66 @@ def calibration(version, temps, drafter_version="v1"):
         dtype=tensor_pb2.DTYPE_F32, shape=[temps.size], data=temps.tobytes()))
 
 
+def decision(budget=0, decided=True, **kw):
+    return load_pb2.BudgetDecision(verify_budget=budget, decided=decided, **kw)
+
+
+def scheduled(default_draft_len, clock=None, probe_every=16, gamma=4, **ttl):
+    """A BudgetControl as the verifier builds it, on a drafter of block size gamma."""
+    control = BudgetControl(probe_every=probe_every, **ttl)
+    control.make_policy(SimpleNamespace(gamma=gamma, version="v1"), default_draft_len)
+    if clock is not None:
+        control.source.clock = clock
+    return control
+
+
 LOGITS = [[3.0, 2.0, 1.0, 0.0], [2.5, -1.0, -2.0, -3.0], [0.5, 0.0, -1.0, -4.0]]
 
 
-def test_scheduler_k_then_last_k_then_static_default():
+def test_scheduler_budget_then_last_budget_then_default_draft_len():
     clock = Clock()
-    policy = ScheduledPolicy(lambda b: 1.0, static_k=1, gamma=4, drafter_version="v1", ttl_steps=3, ttl_s=2.0,
-                             clock=clock)
+    control = scheduled(1, clock, ttl_steps=3, ttl_s=2.0)
+    policy, source = control.policy, control.source
+
+    def step(caps, logits=LOGITS):
+        policy.should_draft(len(caps))
+        return policy.lengths(block(logits) if logits is not None else SimpleNamespace(conf_logits=None), caps)
+
     caps = [4, 4, 4]
-    static = admit_top_k(policy.calibrated_survival(LOGITS), 3, np.array(caps)).tolist()  # K = 1 x 3 requests
-    assert static == [2, 1, 0]
-    assert policy.lengths(block(LOGITS), caps) == static and not policy.from_scheduler
-    policy.apply(load_pb2.Capacity(k=7, decided=False))  # no decision: nothing changes
-    assert policy.lengths(block(LOGITS), caps) == static
-    policy.apply(load_pb2.Capacity(k=7, decided=True))
-    want = admit_top_k(policy.calibrated_survival(LOGITS), 7, np.array(caps)).tolist()
+    default = admit_top_k(calibrated_survival(LOGITS), 3, np.array(caps)).tolist()  # 1 per request x 3
+    assert default == [2, 1, 0]
+    assert step(caps) == default and not source.from_scheduler
+    control.apply(decision(7, decided=False))  # no decision: nothing changes
+    assert step(caps) == default
+    control.apply(decision(7))
+    want = admit_top_k(calibrated_survival(LOGITS), 7, np.array(caps)).tolist()
     assert sum(want) == 7
-    assert policy.lengths(block(LOGITS), caps) == want and policy.from_scheduler and policy.last_k == 7
-    for _ in range(5):  # many steps, little time: the last K stays
-        assert policy.lengths(block(LOGITS), caps) == want
-    clock.now = 2.5  # and now both limits have passed: static default
-    assert policy.lengths(block(LOGITS), caps) == static and not policy.from_scheduler
-    policy.apply(load_pb2.Capacity(k=0, decided=True))  # a real K = 0: verify nothing
-    assert policy.lengths(block(LOGITS), caps) == [0, 0, 0] and policy.from_scheduler
-    # Caps (overrides, room) still bound every request.
-    policy.apply(load_pb2.Capacity(k=12, decided=True))
-    assert policy.lengths(block(LOGITS), [0, 2, 4]) == [0, 2, 4]
-    # No confidences (DFlash/EAGLE-3): the fixed static K per request.
-    assert policy.lengths(SimpleNamespace(conf_logits=None), [4, 4]) == [1, 1] and not policy.from_scheduler
+    assert step(caps) == want and source.from_scheduler and policy.budget_in_force == 7
+    for _ in range(5):  # many steps, little time: the last budget stays
+        assert step(caps) == want
+    clock.now = 2.5  # and now both limits have passed: the default
+    assert step(caps) == default and not source.from_scheduler
+    control.apply(decision(0))  # a real budget of 0: verify nothing
+    assert policy.lengths(block(LOGITS), caps) == [0, 0, 0] and source.from_scheduler
+    # Draft lengths (overrides, room) still bound every request.
+    control.apply(decision(12))
+    assert step([0, 2, 4]) == [0, 2, 4]
+    # No confidences (DFlash/EAGLE-3): the fixed default per request.
+    assert step([4, 4], logits=None) == [1, 1] and not source.from_scheduler
 
 
 def test_temperatures_newer_version_of_the_same_drafter_only():
-    policy = ScheduledPolicy(lambda b: 1.0, static_k=1, gamma=4, drafter_version="v1")
-    policy.apply(load_pb2.Capacity(decided=False, calibration=calibration(2, [2.0, 2.0, 3.0, 3.0])))
-    np.testing.assert_allclose(policy.temperatures, [2, 2, 3, 3])
-    assert policy.calibration_version == 2
+    control = scheduled(1)
+    control.apply(decision(decided=False, calibration=calibration(2, [2.0, 2.0, 3.0, 3.0])))
+    np.testing.assert_allclose(control.policy.temperatures, [2, 2, 3, 3])
+    assert control.calibration_version == 2
     for stale in (calibration(1, [5.0] * 4), calibration(3, [5.0] * 4, "v0"), calibration(4, [5.0] * 3),
                   calibration(5, [5.0, -1.0, 1.0, 1.0])):
-        assert not policy.set_calibration(stale)
-    np.testing.assert_allclose(policy.temperatures, [2, 2, 3, 3])
-    np.testing.assert_allclose(policy.calibrated_survival(LOGITS),
-                               np.cumprod(apply_sts(LOGITS, [2.0, 2.0, 3.0, 3.0]), axis=1))
+        assert not control.set_calibration(stale)
+    np.testing.assert_allclose(control.policy.temperatures, [2, 2, 3, 3])
+    want = admit_top_k(np.cumprod(apply_sts(LOGITS, [2.0, 2.0, 3.0, 3.0]), axis=1), 4, np.array([4, 4, 4]))
+    control.apply(decision(4))
+    assert control.policy.lengths(block(LOGITS), [4, 4, 4]) == want.tolist()
 
 
 def test_warmup_profile_measures_each_b_and_leaves_the_cache_empty():
@@ -93,18 +115,18 @@ def test_warmup_profile_measures_each_b_and_leaves_the_cache_empty():
     assert engine.cache.num_free == 4 and sum(engine.cache.lengths) == 0
 
 
-def test_capacity_planner_uses_the_newest_report_and_the_published_sps():
-    planner = CapacityPlanner()
-    points = [[1, 100.0], [4, 95.0], [8, 60.0], [16, 20.0]]
+def test_budget_planner_uses_the_newest_report_and_the_published_sps():
+    planner = BudgetPlanner()
+    points = [[1, 0.010], [4, 0.0105], [8, 0.0167], [16, 0.05]]  # [B, step seconds]
     logits = np.array(LOGITS)
     assert planner.on_report("v", 1, logits, None, []) is None  # no SPS table yet: no decision
-    k = planner.on_report("v", 2, logits, None, points)
-    assert k == capacity_for(logits, None, sps_table(points)) and planner.k["v"] == k
-    assert planner.on_report("v", 1, logits - 5, None, points) == k  # older report: ignored
+    budget = planner.on_report("v", 2, logits, None, points)
+    assert budget == verify_budget(logits, None, seconds_table(points)) and planner.budgets["v"] == budget
+    assert planner.on_report("v", 1, logits - 5, None, points) == budget  # older report: ignored
     cold = planner.on_report("v", 3, logits, np.full(4, 4.0), points)
-    assert cold == capacity_for(logits, np.full(4, 4.0), sps_table(points))
+    assert cold == verify_budget(logits, np.full(4, 4.0), seconds_table(points))
     planner.forget("v")
-    assert "v" not in planner.k
+    assert "v" not in planner.budgets
 
 
 def test_online_calibrator_refits_from_the_store_and_refuses_older_fits():
@@ -129,20 +151,19 @@ def test_online_calibrator_refits_from_the_store_and_refuses_older_fits():
 
 
 def test_planner_weighs_the_published_draft_cost():
-    sps = [[b, 10.0] for b in range(1, 40)]  # flat: 0.1 s per target pass, any B
+    sps = [[b, 0.1] for b in range(1, 40)]  # flat: 0.1 s per target pass, any B
     sure = np.full((3, GAMMA), 4.0)  # confident drafts
-    planner = CapacityPlanner()
+    planner = BudgetPlanner()
     assert planner.on_report("v", 1, sure, None, sps, [[1, 0.01], [8, 0.02]]) == 3 * GAMMA
-    # Drafting that costs more than the tokens it saves: K = 0 (the verifier then skips the drafter).
+    # Drafting that costs more than the tokens it saves: budget 0 (the verifier then skips the drafter).
     assert planner.on_report("v", 2, sure, None, sps, [[1, 2.0], [8, 3.0]]) == 0
 
 
-def test_capacity_control_splits_step_time_into_target_pass_and_drafting():
+def test_budget_control_splits_step_time_into_target_pass_and_drafting():
     from dspark.spec.engine import StepReport
-    from verifier_svc.capacity_control import CapacityControl
 
-    control = CapacityControl()
-    control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1"), static_k=2)
+    control = BudgetControl()
+    control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1"), default_draft_len=2)
     control.on_step(StepReport(batch_size=2, batch_tokens=6, seconds=0.5, draft_seconds=0.2, drafted=True,
                                verified=[2, 2], accepted=[1, 0]))
     control.on_step(StepReport(batch_size=3, batch_tokens=3, seconds=0.25, draft_seconds=0.01, drafted=False,
@@ -151,34 +172,33 @@ def test_capacity_control_splits_step_time_into_target_pass_and_drafting():
     assert control.draft_cost.items() == [(2, 0.2)]
     load = control.fill_load(load_pb2.VerifierLoad())
     assert [(p.requests, p.seconds) for p in load.draft_cost] == [(2, pytest.approx(0.2))]
-    # Fixed K (--schedule=off): the scheduler's K is never applied.
-    control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1"), static_k=2, scheduled=False)
-    control.apply(load_pb2.Capacity(k=0, decided=True))
+    # Fixed draft length (--schedule=off): the scheduler's budget is never applied.
+    control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1"), default_draft_len=2, scheduled=False)
+    control.apply(decision(0))
     assert control.policy.should_draft(3) and control.policy.lengths(None, [4, 4]) == [2, 2]
 
 
-def test_k_zero_skips_the_drafter_but_probes_and_expires():
+def test_budget_zero_skips_the_drafter_but_probes_and_expires():
     clock = Clock()
-    policy = ScheduledPolicy(lambda b: 1.0, static_k=2, gamma=4, drafter_version="v1", ttl_steps=20, ttl_s=1.0,
-                             clock=clock, probe_every=4)
-    assert policy.should_draft(3)  # no decision yet: the static K drafts
-    policy.apply(load_pb2.Capacity(k=0, decided=True))
+    control = scheduled(2, clock, probe_every=4, ttl_steps=20, ttl_s=1.0)
+    policy, source = control.policy, control.source
+    assert policy.should_draft(3)  # no decision yet: the default draft length drafts
+    control.apply(decision(0))
     probes = [i + 1 for i in range(60) if policy.should_draft(3)]
     assert probes == [4, 12, 28, 44, 60]  # after 4 skipped steps, then 8, then 16 (4 x 4) at most
-    assert policy.last_k == 0
-    # The scheduler goes silent: skipped steps count towards its K's expiry like drafted ones.
-    policy.apply(load_pb2.Capacity(k=0, decided=True))  # a fresh K = 0 ...
+    assert policy.budget_in_force == 0
+    # The scheduler goes silent: skipped steps count towards its budget's expiry like drafted ones.
+    control.apply(decision(0))  # a fresh budget of 0 ...
     clock.now = 5.0
-    for _ in range(25):  # ... then silence: 25 steps, 24 skipped (probes count in lengths())
+    for _ in range(20):  # ... then silence: 20 steps
         policy.should_draft(3)
-    assert policy.should_draft(3) and not policy.from_scheduler and policy.capacity(3) == 6
+    assert policy.should_draft(3) and not source.from_scheduler and source.budget(3) == 6
 
 
 def test_shipped_temperatures_until_the_online_fit(tmp_path):
     import json
 
     from dspark.drafters.checkpoint import load_calibration
-    from verifier_svc.capacity_control import CapacityControl
 
     (tmp_path / "calibration.json").write_text(json.dumps({"temperatures": [0.5, 1.0, 2.0, 3.0],
                                                            "drafter_version": "v1"}))
@@ -186,9 +206,8 @@ def test_shipped_temperatures_until_the_online_fit(tmp_path):
     assert load_calibration(tmp_path, "v2") is None  # fitted for another checkpoint
     assert load_calibration(tmp_path / "nowhere", "v1") is None
     shipped = np.array([0.5, 1.0, 2.0, 3.0])
-    control = CapacityControl()
-    policy = control.make_policy(SimpleNamespace(gamma=4, version="v1", sts_temperatures=shipped), static_k=1)
+    control = BudgetControl()
+    policy = control.make_policy(SimpleNamespace(gamma=4, version="v1", sts_temperatures=shipped), default_draft_len=1)
     np.testing.assert_array_equal(policy.temperatures, shipped)
-    np.testing.assert_allclose(policy.calibrated_survival(LOGITS), np.cumprod(apply_sts(np.array(LOGITS), shipped), 1))
-    policy.apply(load_pb2.Capacity(decided=False, calibration=calibration(1, [2.0, 2.0, 2.0, 2.0])))
+    control.apply(decision(decided=False, calibration=calibration(1, [2.0, 2.0, 2.0, 2.0])))
     np.testing.assert_array_equal(policy.temperatures, [2.0, 2.0, 2.0, 2.0])  # the online fit replaces it

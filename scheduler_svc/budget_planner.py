@@ -1,0 +1,52 @@
+"""The verify budget per verifier by the two-step rule (dspark/sched/verify_budget.py), computed
+off the verifiers' critical path.
+
+A verifier's step reports carry the raw confidence logits of its whole batch. For each verifier
+we keep the newest report's (by step number; replies may be processed out of order) and, when it
+comes, compute the budget with the verifier's own published SPS and draft-cost tables (seconds,
+as the verifier measured them) and the newest temperatures of its drafter version (0 tells the
+verifier to skip drafting: the drafts would not pay for it). The verifier receives the budget with
+the reply and uses it from its next step on: by then the confidences behind it are at least a
+step old (two steps with the reply in flight), never the drafts it admits, which keeps the output
+exactly the target's.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dspark.sched.sps import SpsTable
+from dspark.sched.verify_budget import verify_budget
+from dspark.serving import metrics
+
+
+def seconds_table(points) -> SpsTable | None:
+    """From [[count, seconds], ...] (VerifierLoad.sps by batch tokens, .draft_cost by requests);
+    None when empty."""
+    pairs = [(int(n), float(s)) for n, s in points if int(n) >= 1 and float(s) > 0]
+    return SpsTable(dict(pairs)) if pairs else None
+
+
+class BudgetPlanner:
+    def __init__(self):
+        self._newest: dict[str, int] = {}  # verifier id -> step of the confidences behind its budget
+        self.budgets: dict[str, int] = {}
+
+    def on_report(self, verifier_id: str, step: int, conf_logits: np.ndarray, temperatures, sps_points,
+                  draft_cost_points=()) -> int | None:
+        """Recompute the budget from a report newer than the last one used; returns the budget in force."""
+        if step <= self._newest.get(verifier_id, -1) or conf_logits.shape[0] == 0:
+            return self.budgets.get(verifier_id)
+        sps = seconds_table(sps_points)
+        if sps is None:
+            return self.budgets.get(verifier_id)
+        self._newest[verifier_id] = step
+        draft_cost = seconds_table(draft_cost_points)
+        draft_seconds = draft_cost.seconds(conf_logits.shape[0]) if draft_cost is not None else 0.0
+        budget = self.budgets[verifier_id] = verify_budget(conf_logits, temperatures, sps, draft_seconds)
+        metrics.SCHEDULED_VERIFY_BUDGET.labels(verifier_id).set(budget)
+        return budget
+
+    def forget(self, verifier_id: str) -> None:
+        """A verifier (re)registered: its step numbers start again."""
+        self._newest.pop(verifier_id, None)
+        self.budgets.pop(verifier_id, None)
