@@ -1,6 +1,6 @@
 """Confidence-scheduled verification under load: tokens/s through the three services (drafter,
 verifier, scheduler as separate processes, gRPC) at each concurrency, for plain decoding,
-fixed k = 1, 3, 7 and the scheduler (two-step rule, DESIGN.md 1.4), in one run.
+fixed k = 1, 3, 7 and the scheduler (two-step rule, method.md 5), in one run.
 
     python benchmarks/concurrency.py [--concurrency 1 2 4 8 16 32] [--max-tokens 32]
                                      [--requests-per-client 1] [--repeats 3] [--drafter DIR]
@@ -40,11 +40,11 @@ CONFIGS = {
 }
 
 
-def eval_prompts(count: int) -> list[str]:
+def eval_prompts(count: int, eval_dir: Path) -> list[str]:
     from dspark.train.evaluate import DATASETS, load_eval_prompts
 
     per = -(-count // len(DATASETS))
-    pools = [load_eval_prompts(name, per) for name in DATASETS]
+    pools = [load_eval_prompts(name, per, eval_dir) for name in DATASETS]
     return [pools[i % len(pools)][i // len(pools)] for i in range(count)]
 
 
@@ -171,6 +171,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--out", default=str(OUT / "concurrency"))
+    ap.add_argument("--eval-dir", type=Path, default=REPO / "datasets" / "eval", help="folder of <dataset>.jsonl prompts")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -178,7 +179,7 @@ def main(argv=None) -> None:
     from service_helpers import start_drafter, wait_serving
 
     checkpoint = args.drafter or str(default_drafter_dir(args.model))
-    prompts = eval_prompts(max(args.concurrency) * args.requests_per_client)
+    prompts = eval_prompts(max(args.concurrency) * args.requests_per_client, args.eval_dir)
     log_dir = Path(tempfile.mkdtemp(prefix="concurrency-bench-"))
     print(f"{args.model}, drafter {checkpoint}, {args.max_tokens} tokens per request, greedy, "
           f"{args.requests_per_client} requests per client; service logs in {log_dir}", flush=True)

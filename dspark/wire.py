@@ -1,6 +1,6 @@
 """torch.Tensor <-> dspark.v1.Tensor: raw little-endian bytes with dtype and shape.
 
-Every float array that crosses a process goes through here (DESIGN.md section 2, wire rules).
+Every float array that crosses a process goes through here (method.md 6, wire rules).
 Decoding checks the message against its declared dtype and shape before touching the bytes,
 so a truncated or mislabelled tensor fails loudly instead of turning into garbage numbers.
 """

@@ -1,4 +1,4 @@
-"""Online STS in the scheduler (DESIGN.md 1.3, 2): labels from step reports -> temperatures.
+"""Online STS in the scheduler (method.md 4, 6): labels from step reports -> temperatures.
 
 Each ReportStep's raw confidence logits with its verified/accepted lengths is binned into an
 in-memory delta per drafter version (cheap, on the request path). A background loop, off every

@@ -1,4 +1,4 @@
-"""Confidence-scheduled verification through the real services (DESIGN.md 1.4, 2).
+"""Confidence-scheduled verification through the real services (method.md 5, 6).
 
 Drafter (random DSpark: it has confidences), scheduler (two-step rule + online STS, real Redis)
 and verifier run as processes on a tiny target. The verifier's default is --draft-len=0, so any

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -49,7 +50,15 @@ def test_tiny_pipeline(tmp_path):
     evaluate.main(["--model", str(model_dir), "--drafters", str(drafter_dir), "--out", str(eval_dir),
                    "--datasets", "gsm8k", "mbpp", "--prompts-per-dataset", "2", "--max-tokens", "8"])
     results = json.loads((eval_dir / "results.json").read_text())
-    for key in ("dspark|0.0|gsm8k", "dspark|1.0|mbpp", "dspark|1.0|all"):
-        assert 1.0 <= results[key]["tau"] <= 4.0
-    assert "raw" in results["dspark|1.0|all"]["confidence"]
+    for temperature in ("0.0", "1.0"):
+        parts = [results[f"dspark|{temperature}|{d}"] for d in ("gsm8k", "mbpp")]
+        whole = results[f"dspark|{temperature}|all"]
+        # Every block is verified whole (gamma 3, up to the room left): the counts must add up.
+        assert all(p["drafts"] > 0 for p in parts)
+        assert whole["drafts"] == sum(p["drafts"] for p in parts)
+        assert whole["accepted"] == sum(p["accepted"] for p in parts)
+        for entry in parts + [whole]:
+            assert entry["tau"] == pytest.approx(1 + entry["accepted"] / entry["drafts"])
+        # One (confidence, outcome) sample per verified block at position 1.
+        assert whole["confidence"]["raw"]["count"][0] == whole["drafts"]
     assert (eval_dir / "per_position_acceptance.png").exists() and (eval_dir / "reliability.png").exists()

@@ -246,7 +246,7 @@ EPISODES = 20000
     ids=["lookahead search", "budget from current drafts"],
 )
 def test_appendix_a_lookahead_is_biased(biased_schedule):
-    """Paper Appendix A, rebuilt from DESIGN.md 1.4: 1 request, gamma = 2, c_1 = 0.8, c_2 set by
+    """Paper Appendix A, rebuilt from method.md 5: 1 request, gamma = 2, c_1 = 0.8, c_2 set by
     x_1 (so a_2 = 0.8 after x_1 = 0, 0.2 after x_1 = 1), SPS = (1.0, 0.5, 0.45) at B = 1, 2, 3,
     p = (0.7, 0.3), q = (0.5, 0.5). Theta = 1.0 (verify none), 0.9 (verify x_1), 0.45 * (1.8 + a_2)
     = 1.17 or 0.90 (verify both). The look-ahead search verifies both when x_1 = 0 and none

@@ -1,4 +1,4 @@
-"""The committed generated code matches proto/, and the contract holds what DESIGN.md 2 needs."""
+"""The committed generated code matches proto/, and the contract holds what method.md 6 needs."""
 
 import filecmp
 import subprocess

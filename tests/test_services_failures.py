@@ -1,4 +1,4 @@
-"""Failure rules (DESIGN.md 2): a drafter, Redis or a verifier dying costs speed, never a request.
+"""Failure rules (method.md 6): a drafter, Redis or a verifier dying costs speed, never a request.
 
 Real processes on localhost with a tiny target written here (no EOS, so every request runs to
 max_tokens); outputs are checked against in-process plain greedy decoding of the same target.

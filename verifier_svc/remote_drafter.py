@@ -82,7 +82,6 @@ class RemoteDrafter:
         self._step = 0
         self.last_bytes = 0  # both directions, last draft() call
         self.trace_context = None  # req_id -> {"traceparent": ...} of its step span (tracing on)
-        self.total_bytes = 0
 
     # ---- connection ------------------------------------------------------------------------
     def connect(self, wait_s: float) -> bool:
@@ -233,7 +232,6 @@ class RemoteDrafter:
         response = self._await(link, self._step)
         self._releases.clear()
         self.last_bytes = request.ByteSize() + response.ByteSize()
-        self.total_bytes += self.last_bytes
         metrics.DRAFTER_LINK_BYTES.labels("to_drafter").inc(request.ByteSize())
         metrics.DRAFTER_LINK_BYTES.labels("from_drafter").inc(response.ByteSize())
         metrics.DRAFTER_LINK_BYTES_PER_STEP.observe(self.last_bytes)

@@ -1,4 +1,4 @@
-"""Verifier -> scheduler reports, off the critical path (DESIGN.md 2, step 7).
+"""Verifier -> scheduler reports, off the critical path (method.md 6, step 7).
 
 The engine thread only appends its step reports to a bounded deque (never blocks, drops the
 oldest when the scheduler is slow); an asyncio task registers, heartbeats the load every

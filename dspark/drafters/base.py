@@ -2,7 +2,7 @@
 
 A drafter keeps, per request, a cache built from the target features of the decided positions
 0..n-1 (its "context"). `draft` proposes gamma tokens for positions a+1..a+gamma after the
-anchor token x_a at position a = n (DESIGN.md 1.1; docs/ARCHITECTURE.md block convention).
+anchor token x_a at position a = n (method.md 1).
 
 Every drafter shares the target's embedding and LM head. They are frozen buffers, never saved
 with the drafter. With a draft vocabulary (the N most frequent target tokens) the LM head is

@@ -1,6 +1,6 @@
 """The parallel backbone's decoder layer: a draft block attends to context features plus itself.
 
-Each layer projects the context states H_ctx with its own k/v weights (DESIGN.md 1.1). A block
+Each layer projects the context states H_ctx with its own k/v weights (method.md 2). A block
 sees the context positions strictly before its anchor and every row of its own block
 (bidirectional). Training runs many blocks of one sequence at once over a shared context;
 inference runs one block per request over that request's cached context. Both are the same

@@ -1,4 +1,4 @@
-"""DSpark: the parallel backbone plus a sequential head and a confidence head (DESIGN.md 1.1).
+"""DSpark: the parallel backbone plus a sequential head and a confidence head (method.md 2).
 
 p_k = softmax(U_k + B_k(x_{k-1}, .)) with the Markov (default) or RNN head;
 c_k = sigmoid(w . [h_k; W1[x_{k-1}]] + b) estimates that x_k survives verification.

@@ -1,4 +1,4 @@
-"""EAGLE-3 baseline: one decoder layer drafting autoregressively (DESIGN.md 1.2).
+"""EAGLE-3 baseline: one decoder layer drafting autoregressively (method.md 3).
 
 Input at position i: u_i = fc([norm(g_i); embed(x_{i+1})]) with g_i = fuse([H^(l1); ...; H^(lm)])
 for decided positions, and for later draft steps the layer's own previous output in place of g.

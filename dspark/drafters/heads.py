@@ -1,4 +1,4 @@
-"""DSpark's sequential heads and confidence head (DESIGN.md 1.1).
+"""DSpark's sequential heads and confidence head (method.md 2).
 
 A sequential head turns the parallel backbone into a semi-autoregressive drafter:
 p_k(v) = softmax(U_k(v) + B_k(x_{k-1}, v)), x_0 = the anchor. Both heads run one slot at a time

@@ -74,7 +74,7 @@ class ModelConfig:
 
 
 def spread_layers(num_layers: int, count: int = 5) -> list[int]:
-    """Context layers spread over the depth, never the last (DESIGN.md 1.1: 1, 9, .., 33 of 36)."""
+    """Context layers spread over the depth, never the last (method.md 2: e.g. 1, 9, .., 33 of 36)."""
     if num_layers < 2:
         return [0]
     count = min(count, num_layers - 1)

@@ -1,4 +1,4 @@
-"""Sequential temperature scaling (STS) of draft confidences (DESIGN.md 1.3).
+"""Sequential temperature scaling (STS) of draft confidences (method.md 4).
 
 Raw confidence logits are over-confident. STS fits one temperature per block position, left
 to right: T_k minimises the ECE of the prefix survival prod_{i<=k} sigmoid(z_i / T_i) against

@@ -1,6 +1,6 @@
 """Calibration metrics for draft confidences: ECE, AUROC, per-position report, reliability plot.
 
-Measured as the reference evaluator does (DESIGN.md 1.3), so numbers compare with the paper:
+Measured as the reference evaluator does (method.md 4), so numbers compare with the paper:
 at block position k the prediction is the prefix survival prod_{i<=k} c_i, the label is
 "draft tokens 1..k were all accepted", and only samples where position k was actually
 verified count. ECE uses 20 equal-width bins; the mean ECE is weighted by sample count.

@@ -5,7 +5,7 @@ blocks where token k's own outcome was decided (tokens 1..k-1 accepted, k verifi
 of them were accepted. From that alone one can score the per-token factor c_k = sigmoid(z_k / T_k)
 against P(token k survives | its prefix survived): ECE over 20 equal-width bins of the predicted
 probability, each logit bin weighted by its count. This is what the scheduler exports as
-dspark_calibration_ece{position}; it is not the prefix-survival ECE of DESIGN.md 1.3 (that needs
+dspark_calibration_ece{position}; it is not the prefix-survival ECE of method.md 4 (that needs
 the joint of z_1..z_k, which the histograms do not keep), but both go to 0 together when the
 factors are calibrated.
 """

@@ -76,7 +76,7 @@ def lookahead_search(a: np.ndarray, sps) -> np.ndarray:
     """Best Theta over every length vector (exhaustive, (gamma+1)^R cases).
 
     NOT LOSSLESS: looking past a drop lets a_{k+1}, which depends on x_k, decide whether x_k
-    is verified (DESIGN.md 1.4, paper Appendix A). Kept only to demonstrate that bias in tests.
+    is verified (method.md 5, paper Appendix A). Kept only to demonstrate that bias in tests.
     Ties go to the first vector in itertools.product order (request 0 shortest first).
     """
     a = _check_survival(a)

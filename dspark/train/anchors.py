@@ -2,7 +2,7 @@
 
 A block at anchor a predicts the tokens at a+1..a+gamma (slot k -> a+k). Slot k is supervised
 only while every slot <= k is a response token inside the sequence: after the first slot that
-is not, the block's prefix would already have been rejected (DESIGN.md 1.2).
+is not, the block's prefix would already have been rejected (method.md 3).
 """
 from __future__ import annotations
 

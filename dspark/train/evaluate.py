@@ -94,13 +94,14 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--eval-dir", type=Path, default=EVAL_DIR, help="folder of <dataset>.jsonl eval prompts")
     args = ap.parse_args(argv)
 
     loaded = load_model(args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = {d: [loaded.tokenizer.encode_chat([{"role": "user", "content": p}])
-                   for p in load_eval_prompts(d, args.prompts_per_dataset)] for d in args.datasets}
+                   for p in load_eval_prompts(d, args.prompts_per_dataset, args.eval_dir)] for d in args.datasets}
     # Drafters can be evaluated in separate runs into one --out: results accumulate per drafter.
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
@@ -123,7 +124,8 @@ def main(argv=None):
                 combined.conf_logits += run.conf_logits
                 combined.accepted += run.accepted
                 combined.verified += run.verified
-            entry = dict(tau=combined.metrics.acceptance_length, conditional=combined.metrics.conditional_acceptance())
+            entry = dict(tau=combined.metrics.acceptance_length, conditional=combined.metrics.conditional_acceptance(),
+                         drafts=combined.metrics.drafts, accepted=combined.metrics.accepted_tokens)
             entry["confidence"] = confidence_quality(combined, temps)
             results[f"{name}|{temperature}|all"] = entry
             if combined.conf_logits:

@@ -1,4 +1,4 @@
-"""Drafter training losses (DESIGN.md 1.2), plain functions on tensors.
+"""Drafter training losses (method.md 3), plain functions on tensors.
 
 Shapes: blocks are [A, g] (A anchors, g = gamma slots) with a trailing V' for distributions over
 the draft vocabulary. The target distribution p^t over the full vocabulary V is given by its

@@ -1,4 +1,4 @@
-"""Train a DSpark, DFlash or EAGLE-3 drafter on cached target features (DESIGN.md 1.2).
+"""Train a DSpark, DFlash or EAGLE-3 drafter on cached target features (method.md 3).
 
     python -m dspark.train.trainer --config dspark/train/configs/dspark.json --data DATA --out OUT
 
