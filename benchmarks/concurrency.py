@@ -175,7 +175,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from dspark.generate import default_drafter_dir
+    from dspark.drafters.shipped import default_drafter_dir
     from service_helpers import start_drafter, wait_serving
 
     checkpoint = args.drafter or str(default_drafter_dir(args.model))

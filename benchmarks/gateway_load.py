@@ -71,7 +71,7 @@ def summarize(results, seconds: float) -> tuple[int, int, float]:
 
 
 def start_services(concurrency: int, log_dir: Path):
-    from dspark.generate import default_drafter_dir
+    from dspark.drafters.shipped import default_drafter_dir
     from dspark.local import free_port, start, wait_all
     from dspark.models.loader import DEFAULT_MODEL
 

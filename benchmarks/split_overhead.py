@@ -31,8 +31,8 @@ def in_process(model_name: str, checkpoint: str, messages, max_tokens: int) -> d
     from drafter_svc.__main__ import load, parse_args
     from dspark.models.loader import load_model
     from dspark.sampling import SamplingParams
-    from dspark.spec.engine import SpecEngine
-    from dspark.spec.policy import FixedDraftLen
+    from dspark.speculative.engine import SpecEngine
+    from dspark.speculative.policy import FixedDraftLen
 
     torch.set_grad_enabled(False)
     loaded = load_model(model_name)
@@ -126,7 +126,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from dspark.generate import default_drafter_dir
+    from dspark.drafters.shipped import default_drafter_dir
 
     checkpoint = str(default_drafter_dir(args.model) or "")
     messages = [[{"role": "user", "content": f"Write one sentence about {TOPICS[i % len(TOPICS)]}."}]

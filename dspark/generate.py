@@ -7,37 +7,14 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
+from dspark.drafters.shipped import load_drafter_for
 from dspark.models.loader import DEFAULT_MODEL, load_model
-from dspark.models.precision import add_precision_flag, apply_precision
+from dspark.models.precision import add_precision_flag
 from dspark.models.threads import configure_threads
 from dspark.sampling import SamplingParams
-from dspark.spec.engine import SpecEngine
-from dspark.spec.policy import FixedDraftLen
-
-SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
-
-
-def default_drafter_dir(model_name: str, kind: str = "dspark") -> Path | None:
-    path = SHIPPED_DRAFTERS / model_name / kind
-    return path if (path / "config.json").exists() else None
-
-
-def load_drafter_for(loaded, drafter: str | None, precision: str = "fp32"):
-    """'none' -> no drafter; a path; or a kind name looked up among the shipped drafters.
-    precision: the kernels of the drafter's own matmuls (dspark.models.precision)."""
-    from dspark.drafters.checkpoint import load_drafter
-
-    if drafter in (None, "none"):
-        return None
-    path = Path(drafter) if (Path(drafter) / "config.json").exists() else default_drafter_dir(loaded.name, drafter)
-    if path is None:
-        return None
-    model = loaded.model
-    module = load_drafter(path, model.model.embed_tokens.weight, model.output_weight).eval()
-    apply_precision(module, precision)
-    return module
+from dspark.speculative.engine import SpecEngine
+from dspark.speculative.policy import FixedDraftLen
 
 
 def main(argv=None):

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import threading
 
-from dspark.k8s_discovery import make_discovery
+from scheduler_svc.k8s_discovery import make_discovery
 from dspark.proto_gen.v1 import generation_pb2_grpc, scheduler_pb2_grpc
 from dspark.serving.config import common_parser, env
 from dspark.serving.server import GrpcApp, setup_logging

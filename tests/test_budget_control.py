@@ -16,7 +16,7 @@ from dspark.sched.budget_source import ScheduledBudget
 from dspark.sched.calibration import OnlineCalibrationStats, apply_sts
 from dspark.sched.prefix_scheduler import admit_top_k
 from dspark.sched.verify_budget import calibrated_survival, verify_budget
-from dspark.spec.policy import ConfidencePolicy
+from dspark.speculative.policy import ConfidencePolicy
 from scheduler_svc.budget_planner import BudgetPlanner, seconds_table
 from scheduler_svc.calibration_store import Fit, MemoryCalibrationStore
 from scheduler_svc.online_calibration import OnlineCalibrator
@@ -160,7 +160,7 @@ def test_planner_weighs_the_published_draft_cost():
 
 
 def test_budget_control_splits_step_time_into_target_pass_and_drafting():
-    from dspark.spec.engine import StepReport
+    from dspark.speculative.engine import StepReport
 
     control = BudgetControl()
     control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1"), default_draft_len=2)

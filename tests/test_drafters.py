@@ -3,7 +3,7 @@ import torch
 
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.drafters.checkpoint import load_drafter, save_drafter
-from dspark.engine.batch import VarlenBatch
+from dspark.models.batch import VarlenBatch
 from dspark.models.config import ModelConfig
 from dspark.models.transformer import Transformer
 

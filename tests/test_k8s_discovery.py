@@ -14,7 +14,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 from kubernetes import client
 
-from dspark.k8s_discovery import KubernetesDiscovery, StaticDiscovery, make_discovery
+from scheduler_svc.k8s_discovery import KubernetesDiscovery, StaticDiscovery, make_discovery
 
 NS = "inference"
 VERIFIER_SELECTOR = "app.kubernetes.io/instance=ds,app.kubernetes.io/component=verifier"

@@ -5,13 +5,13 @@ import pytest
 import torch
 from torch import nn
 
-from dspark.engine.batch import VarlenBatch
+from dspark.models.batch import VarlenBatch
 from dspark.engine.generate import Engine
 from dspark.models import precision as prec
 from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams
-from dspark.spec.engine import SpecEngine
-from dspark.spec.policy import FixedDraftLen
+from dspark.speculative.engine import SpecEngine
+from dspark.speculative.policy import FixedDraftLen
 from tests.spec_helpers import random_drafter, tiny_target
 
 FAST = ["int8", "bf16"]

@@ -3,7 +3,7 @@ import torch.nn.functional as F
 from scipy.stats import chisquare
 
 from dspark.sampling import logits_to_probs, truncated_draft_distribution
-from dspark.spec.rejection import draw_uniforms, rejection_sample, rejection_sample_auto
+from dspark.speculative.rejection import draw_uniforms, rejection_sample, rejection_sample_auto
 
 V = 5
 

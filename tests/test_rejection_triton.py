@@ -50,7 +50,7 @@ def random_batch(seed: int, vocab: int = 50, support: int = 4, dyadic: bool = Tr
         support_probs.append(probs)
 
     generators = [torch.Generator().manual_seed(seed * 100 + r) for r in range(num_requests)]
-    from dspark.spec.rejection import draw_uniforms
+    from dspark.speculative.rejection import draw_uniforms
 
     return (
         torch.cat(target_rows),
@@ -77,8 +77,8 @@ def _as_probs(logits, greedy, dyadic, gen):
 
 def main():
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through the test: needs TRITON_INTERPRET=1"
-    from dspark.spec.rejection import rejection_sample
-    from dspark.spec.rejection_triton import rejection_sample_triton
+    from dspark.speculative.rejection import rejection_sample
+    from dspark.speculative.rejection_triton import rejection_sample_triton
 
     batches = 0
     for seed in range(4):

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dspark.sampling import SamplingParams
-from dspark.spec.engine import SpecEngine
-from dspark.spec.errors import DrafterUnavailable
-from dspark.spec.policy import FixedDraftLen
+from dspark.speculative.engine import SpecEngine
+from dspark.speculative.errors import DrafterUnavailable
+from dspark.speculative.policy import FixedDraftLen
 from tests.spec_helpers import OracleDrafter, greedy_reference, random_drafter, tiny_target
 
 KINDS = ["dspark", "dflash", "eagle3"]
@@ -145,7 +145,7 @@ def test_sampled_first_tokens_match_plain_sampling(params):
 
 def test_confidence_policy_is_lossless_and_adapts_its_budget_to_the_target_cost():
     from dspark.sched.budget_source import TwoStepBudget
-    from dspark.spec.policy import ConfidencePolicy
+    from dspark.speculative.policy import ConfidencePolicy
 
     target = tiny_target()
     prompts = prompts_of([5, 17, 9, 30, 3, 12])

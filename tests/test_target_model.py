@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.engine.batch import VarlenBatch
+from dspark.models.batch import VarlenBatch
 from dspark.models.loader import load_model
 from tests.conftest import tiny_hf_model, write_tiny_tokenizer
 

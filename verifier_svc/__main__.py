@@ -17,7 +17,7 @@ from dspark.proto_gen.v1 import generation_pb2_grpc, scheduler_pb2, verifier_pb2
 from dspark.serving import metrics, tracing
 from dspark.serving.config import common_parser, env
 from dspark.serving.server import GrpcApp, setup_logging
-from dspark.spec.engine import SpecEngine
+from dspark.speculative.engine import SpecEngine
 from verifier_svc.budget_control import BudgetControl
 from verifier_svc.remote_drafter import RemoteDrafter
 from verifier_svc.reporter import SchedulerReporter, make_load

@@ -22,7 +22,7 @@ import torch
 
 from dspark.sched.budget_source import ScheduledBudget
 from dspark.serving import metrics
-from dspark.spec.policy import ConfidencePolicy, FixedDraftLen
+from dspark.speculative.policy import ConfidencePolicy, FixedDraftLen
 from dspark.wire import WireError, tensor_from_proto
 from verifier_svc.sps_profile import LiveSps, warmup_profile
 

@@ -21,7 +21,7 @@ from dspark.drafters.base import DraftBlock
 from dspark.proto_gen.v1 import drafter_pb2, drafter_pb2_grpc
 from dspark.serving import metrics
 from dspark.serving.config import sync_channel
-from dspark.spec.errors import DrafterUnavailable
+from dspark.speculative.errors import DrafterUnavailable
 from dspark.wire import WireError, tensor_from_proto, tensor_to_proto
 
 log = logging.getLogger(__name__)

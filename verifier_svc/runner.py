@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.spec.engine import EngineRequest, SpecEngine
-from dspark.spec.metrics import SpecMetrics
+from dspark.speculative.engine import EngineRequest, SpecEngine
+from dspark.speculative.metrics import SpecMetrics
 
 log = logging.getLogger(__name__)
 

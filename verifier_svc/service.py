@@ -18,8 +18,8 @@ from dspark.serving import metrics, tracing
 from dspark.serving.requests import (RequestError, check_prompt_fits, check_request, check_token_ids,
                                      sampling_params)
 from dspark.serving.textstream import TextStream
-from dspark.spec.engine import EngineRequest
-from dspark.spec.metrics import SpecMetrics
+from dspark.speculative.engine import EngineRequest
+from dspark.speculative.metrics import SpecMetrics
 from verifier_svc.runner import Job
 
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_CANCELLED}

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from dspark.engine.batch import VarlenBatch
+from dspark.models.batch import VarlenBatch
 from dspark.proto_gen.v1 import load_pb2
 from dspark.sched.sps import SpsTable
 

@@ -10,7 +10,7 @@ from collections import deque
 
 import torch
 
-from dspark.engine.batch import VarlenBatch
+from dspark.models.batch import VarlenBatch
 from dspark.engine.sequence import Sequence
 from dspark.models.transformer import Transformer
 from dspark.sampling import SamplingParams, logits_to_probs, sample_from_probs

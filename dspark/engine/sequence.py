@@ -30,7 +30,7 @@ class Sequence:
     generator: torch.Generator | None = None
     max_len: int | None = None  # context limit of the engine (prompt + output)
     captured: list = field(default_factory=list)  # (features, final hidden) per pass, when asked
-    spec: object = None  # dspark.spec.engine.SpecState under speculative decoding
+    spec: object = None  # dspark.speculative.engine.SpecState under speculative decoding
 
     def __post_init__(self):
         if self.generator is None:

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.engine.batch import VarlenBatch
-from dspark.engine.kv_cache import KVCache
+from dspark.models.batch import VarlenBatch
+from dspark.models.kv_cache import KVCache
 from dspark.models.config import ModelConfig
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, fuse_linears, rope_tables
 from dspark.models.precision import apply_precision

@@ -21,7 +21,7 @@ from dspark.train.prompts import build_prompts
 
 
 def main(argv=None):
-    from dspark.generate import load_drafter_for
+    from dspark.drafters.shipped import load_drafter_for
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dspark.engine.batch import VarlenBatch
+from dspark.models.batch import VarlenBatch
 
 
 @dataclass

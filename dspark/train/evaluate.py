@@ -22,9 +22,9 @@ from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.sampling import SamplingParams
 from dspark.sched.calibration import apply_sts
 from dspark.sched.metrics import per_position_calibration, plot_reliability, prefix_survival_pairs
-from dspark.spec.engine import SpecEngine
-from dspark.spec.metrics import SpecMetrics
-from dspark.spec.policy import FixedDraftLen
+from dspark.speculative.engine import SpecEngine
+from dspark.speculative.metrics import SpecMetrics
+from dspark.speculative.policy import FixedDraftLen
 
 EVAL_DIR = Path(__file__).resolve().parents[2] / "datasets" / "eval"  # vendored with its license
 DATASETS = ["gsm8k", "humaneval", "math500", "mbpp", "mt-bench"]
@@ -83,7 +83,7 @@ def confidence_quality(run: Run, temperatures: np.ndarray | None) -> dict:
 
 
 def main(argv=None):
-    from dspark.generate import load_drafter_for
+    from dspark.drafters.shipped import load_drafter_for
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)

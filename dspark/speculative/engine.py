@@ -12,7 +12,7 @@ verification with zero drafts). If the drafter fails, the step verifies no draft
 may skip drafting for a step (`should_draft`), which then is plain decoding.
 
 A request's draft_len (EngineRequest.draft_len) caps what it verifies per step; the policy
-(dspark/spec/policy.py) spends the step's verify budget within those caps.
+(dspark/speculative/policy.py) spends the step's verify budget within those caps.
 """
 from __future__ import annotations
 
@@ -21,15 +21,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.engine.batch import VarlenBatch
+from dspark.models.batch import VarlenBatch
 from dspark.engine.generate import Engine
 from dspark.engine.sequence import Sequence
 from dspark.sampling import logits_to_probs
-from dspark.spec.errors import DrafterUnavailable
-from dspark.spec.metrics import SpecMetrics
+from dspark.speculative.errors import DrafterUnavailable
+from dspark.speculative.metrics import SpecMetrics
 from dspark.sampling import SamplingParams
-from dspark.spec.policy import FixedDraftLen, SpeculationPolicy
-from dspark.spec.rejection import draw_uniforms, rejection_sample_auto
+from dspark.speculative.policy import FixedDraftLen, SpeculationPolicy
+from dspark.speculative.rejection import draw_uniforms, rejection_sample_auto
 
 
 @dataclass

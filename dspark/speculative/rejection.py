@@ -93,7 +93,7 @@ def rejection_sample_auto(
     """rejection_sample through the Triton kernel for CUDA tensors, the torch reference otherwise."""
     args = (target_probs, draft_tokens, support_ids, support_probs, draft_lens, uniform_accept, uniform_residual)
     if target_probs.is_cuda:
-        from dspark.spec.rejection_triton import rejection_sample_triton  # import triton only when used
+        from dspark.speculative.rejection_triton import rejection_sample_triton  # import triton only when used
 
         return rejection_sample_triton(*args)
     return rejection_sample(*args)

@@ -1,0 +1,28 @@
+"""Drafters for a loaded target: a checkpoint directory, or one shipped under drafters/<model>/<kind>."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from dspark.drafters.checkpoint import load_drafter
+from dspark.models.precision import apply_precision
+
+SHIPPED_DRAFTERS = Path(__file__).resolve().parents[2] / "drafters"
+
+
+def default_drafter_dir(model_name: str, kind: str = "dspark") -> Path | None:
+    path = SHIPPED_DRAFTERS / model_name / kind
+    return path if (path / "config.json").exists() else None
+
+
+def load_drafter_for(loaded, drafter: str | None, precision: str = "fp32"):
+    """'none' -> no drafter; a path; or a kind name looked up among the shipped drafters.
+    precision: the kernels of the drafter's own matmuls (dspark.models.precision)."""
+    if drafter in (None, "none"):
+        return None
+    path = Path(drafter) if (Path(drafter) / "config.json").exists() else default_drafter_dir(loaded.name, drafter)
+    if path is None:
+        return None
+    model = loaded.model
+    module = load_drafter(path, model.model.embed_tokens.weight, model.output_weight).eval()
+    apply_precision(module, precision)
+    return module
