@@ -1,5 +1,5 @@
 """python -m verifier_svc --port=50052 --health-port=50060 --metrics-port=9400 --model=smollm2-135m
-       --drafter-addr=HOST:50053 --scheduler-addr=HOST:50051 [--redis-url=...] [--verifier-id=...]
+       --drafter-addr=HOST:50053 --scheduler-addr=HOST:50051 [--verifier-id=...]
        [--max-batch=16] [--max-len=2048] [--draft-len=N] [--schedule=on|off]
 
 --drafter-addr empty = plain decoding; --scheduler-addr empty = no reports (direct use only).
@@ -33,8 +33,6 @@ def parse_args(argv=None):
     ap.add_argument("--model", default=env("DSPARK_MODEL", DEFAULT_MODEL))
     ap.add_argument("--drafter-addr", default=env("DSPARK_DRAFTER_ADDR", ""))
     ap.add_argument("--scheduler-addr", default=env("DSPARK_SCHEDULER_ADDR", ""))
-    ap.add_argument("--redis-url", default=env("DSPARK_REDIS_URL", ""),
-                    help="accepted for the chart; the verifier reaches Redis only through the scheduler today")
     ap.add_argument("--verifier-id", default=env("DSPARK_VERIFIER_ID", env("POD_NAME", "")),
                     help="default: $POD_NAME, else host-port")
     ap.add_argument("--advertise-addr", default=env("DSPARK_ADVERTISE_ADDR", ""),

@@ -46,6 +46,7 @@ class EngineRunner:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[str, Job] = {}
         self._stop = threading.Event()
+        self._inbox_lock = threading.Lock()  # inbox_size changes on the gRPC thread and the engine thread
         self.inbox_size = 0  # submitted, not yet in the engine (read by load reports)
         self.step_spans = None  # verifier_svc.step_spans.StepSpans when tracing is on
         self.thread = threading.Thread(target=self._run, daemon=True, name="engine")
@@ -59,7 +60,8 @@ class EngineRunner:
         self.thread.join(timeout=10)
 
     def submit(self, job: Job) -> None:
-        self.inbox_size += 1
+        with self._inbox_lock:
+            self.inbox_size += 1
         self._inbox.put(("add", job))
 
     def cancel(self, job: Job) -> None:
@@ -118,7 +120,8 @@ class EngineRunner:
             return
         while True:
             if kind == "add":
-                self.inbox_size -= 1
+                with self._inbox_lock:
+                    self.inbox_size -= 1
                 try:
                     job.seq = self.engine.submit(job.request)
                     self._jobs[job.seq.req_id] = job
@@ -136,7 +139,7 @@ class EngineRunner:
             if job.seq is not None:
                 try:
                     self.engine.abort(job.seq)
-                except Exception:  # the engine is in a bad state already
-                    pass
+                except Exception as error:  # the engine is in a bad state already: fail the job anyway
+                    log.warning("abort of %s after a failed step: %s", job.request.req_id, error)
             job.deliver(Event([], "abort", error=message))
         self._jobs.clear()
