@@ -57,3 +57,24 @@ def smollm2():
     from dspark.models.loader import load_model
 
     return load_model()
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: threads only add contention on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A 4-layer random Llama target (vocabulary 64, width 32), the same in every module."""
+    from dspark.models.config import ModelConfig
+    from dspark.models.transformer import Transformer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    return Transformer(cfg).eval()

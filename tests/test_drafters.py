@@ -4,28 +4,17 @@ import torch
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.drafters.checkpoint import load_drafter, save_drafter
 from dspark.models.batch import VarlenBatch
-from dspark.models.config import ModelConfig
-from dspark.models.transformer import Transformer
 
 CTX_LAYERS = [1, 2]
 GAMMA = 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny tensors: threads only add contention on a shared machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def target():
-    torch.manual_seed(0)
-    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
-                      num_heads=4, num_kv_heads=2, head_dim=8)
-    return Transformer(cfg).eval()
+def target(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

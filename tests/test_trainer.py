@@ -5,8 +5,6 @@ import torch
 from safetensors.torch import load_file
 
 from dspark.drafters.checkpoint import load_drafter
-from dspark.models.config import ModelConfig
-from dspark.models.transformer import Transformer
 from dspark.train.anchors import candidate_anchors, sample_anchors, slot_validity, ttt_validity
 from dspark.train.dataset import CachedDataset, OnlineDataset, build_tiny_dataset
 from dspark.train.trainer import TargetLSE, choose_draft_vocab, lr_factor, train
@@ -14,20 +12,12 @@ from dspark.train.trainer import TargetLSE, choose_draft_vocab, lr_factor, train
 CTX_LAYERS = [1, 2]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def target():
-    torch.manual_seed(0)
-    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
-                      num_heads=4, num_kv_heads=2, head_dim=8)
-    return Transformer(cfg).eval()
+def target(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

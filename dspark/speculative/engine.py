@@ -1,7 +1,7 @@
 """Speculative decoding with continuous batching in one process.
 
 Per step, for the running batch:
-  1. the drafter (any `dspark.drafters.Drafter`) proposes gamma tokens per running request,
+  1. the drafter (a `dspark.drafters.contract.DrafterContract`) proposes gamma tokens per request,
   2. a policy picks how many of them each request verifies (l_r),
   3. one varlen target pass over [anchor, d_1..d_l] per request (plus prompts of new requests),
   4. chain rejection sampling keeps the output distribution exactly the target's,
@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.models.batch import VarlenBatch
+from dspark.drafters.contract import DrafterContract
 from dspark.engine.generate import Engine
 from dspark.engine.sequence import Sequence
-from dspark.sampling import logits_to_probs
+from dspark.models.batch import VarlenBatch
+from dspark.sampling import SamplingParams, logits_to_probs
 from dspark.speculative.errors import DrafterUnavailable
 from dspark.speculative.metrics import SpecMetrics
-from dspark.sampling import SamplingParams
 from dspark.speculative.policy import FixedDraftLen, SpeculationPolicy
 from dspark.speculative.rejection import draw_uniforms, rejection_sample_auto
 
@@ -83,7 +83,7 @@ class StepReport:
 
 
 class SpecEngine(Engine):
-    def __init__(self, model, drafter=None, policy: SpeculationPolicy | None = None, **kw):
+    def __init__(self, model, drafter: DrafterContract | None = None, policy: SpeculationPolicy | None = None, **kw):
         self.drafter = drafter
         self.policy = policy or FixedDraftLen(drafter.gamma if drafter is not None else 0)
         super().__init__(model, capture_layers=tuple(drafter.ctx_layers) if drafter is not None else (), **kw)

@@ -1,0 +1,42 @@
+"""What the speculative loop needs from a drafter, local (dspark.drafters.*) or remote
+(verifier_svc.remote_drafter.RemoteDrafter). SpecEngine is typed against this, nothing more.
+
+Per request the drafter keeps a context: the target features of decided positions 0..n-1.
+The loop keeps it current (extend_context, rollback to what it knows was kept) and asks for a
+block after each request's anchor. A remote drafter may lose a context (restart): context_len
+then says what it still has and the loop resends from there. Failures to reach a remote drafter
+raise dspark.speculative.errors.DrafterUnavailable; the step then verifies no drafts.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from dspark.drafters.base import DraftBlock
+
+
+@runtime_checkable
+class DrafterContract(Protocol):
+    @property
+    def gamma(self) -> int: ...  # block size: draft tokens per request per call
+
+    @property
+    def ctx_layers(self) -> list[int]: ...  # target layers whose hidden states make a context feature
+
+    @property
+    def kind(self) -> str: ...  # dspark | dflash | eagle3
+
+    @property
+    def version(self) -> str: ...  # the checkpoint's identity (calibration is per version)
+
+    def context_len(self, req_id: str) -> int: ...
+
+    def extend_context(self, req_id: str, features: torch.Tensor, tokens: torch.Tensor) -> None: ...
+
+    def rollback(self, req_id: str, n_ctx: int) -> None: ...
+
+    def release(self, req_id: str) -> None: ...
+
+    def draft(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor,
+              generators: list) -> DraftBlock: ...
