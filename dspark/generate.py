@@ -9,6 +9,7 @@ import argparse
 import time
 from pathlib import Path
 
+from dspark.device import add_device_flag, describe, resolve_device
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag, apply_precision
 from dspark.models.threads import configure_threads
@@ -26,7 +27,8 @@ def default_drafter_dir(model_name: str, kind: str = "dspark") -> Path | None:
 
 def load_drafter_for(loaded, drafter: str | None, precision: str = "fp32"):
     """'none' -> no drafter; a path; or a kind name looked up among the shipped drafters.
-    precision: the kernels of the drafter's own matmuls (dspark.models.precision)."""
+    precision: the kernels of the drafter's own matmuls (dspark.models.precision). The drafter
+    runs on the target's device."""
     from dspark.drafters.checkpoint import load_drafter
 
     if drafter in (None, "none"):
@@ -35,7 +37,7 @@ def load_drafter_for(loaded, drafter: str | None, precision: str = "fp32"):
     if path is None:
         return None
     model = loaded.model
-    module = load_drafter(path, model.model.embed_tokens.weight, model.output_weight).eval()
+    module = load_drafter(path, model.model.embed_tokens.weight, model.output_weight).to(model.device).eval()
     apply_precision(module, precision)
     return module
 
@@ -50,12 +52,14 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
     add_precision_flag(ap)
+    add_device_flag(ap)
     args = ap.parse_args(argv)
 
+    device = resolve_device(args.device)
     threads = configure_threads()
-    loaded = load_model(args.model, precision=args.precision)
+    loaded = load_model(args.model, device=device, precision=args.precision)
     drafter = load_drafter_for(loaded, args.drafter, args.precision)
-    print(f"[{loaded.name}: {loaded.model.precision} matmuls, {threads} CPU threads]", flush=True)
+    print(f"[{loaded.name}: {loaded.model.precision} matmuls on {describe(device)}, {threads} CPU threads]", flush=True)
     policy = FixedK(args.k if args.k is not None else (drafter.gamma if drafter else 0))
     engine = SpecEngine(loaded.model, drafter, policy, max_batch=4, max_len=2048)
     prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": " ".join(args.prompt)}])
