@@ -178,3 +178,25 @@ def test_real_target_and_shipped_drafter_stay_on_the_device():
     assert seq.metrics.draft_tokens > 0  # the drafter and the verification really ran
     assert seq.output == _run(Engine(loaded.model, max_batch=2, max_len=256), [prompt],
                               [SamplingParams(max_tokens=8)])[0].output
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_step_stays_on_the_device(kind):
+    from dspark.train.dataset import Sequence, target_features
+    from dspark.train.trainer import DEFAULT_TRAIN, TargetLSE, sequence_loss, sequence_to
+
+    target = tiny_target().to(DEVICE)
+    drafter = random_drafter(target, kind).to(DEVICE).train()
+    tokens = torch.tensor(prompts_of([40], seed=3)[0])
+    features, hidden = target_features(target, tokens, drafter.ctx_layers)
+    raw = Sequence(tokens, torch.arange(40) >= 6, features.cpu(), hidden.cpu())  # as a dataset hands it over
+    lse = TargetLSE(drafter.lm_head_full)
+    with DeviceChecker(DEVICE) as checker:
+        seq = sequence_to(raw, DEVICE)
+        result = sequence_loss(drafter, seq, lambda positions: lse(0, raw, positions), DEFAULT_TRAIN, 256,
+                               torch.Generator().manual_seed(0))
+        result["loss"].backward()
+    assert checker.factory_calls > 0 and torch.isfinite(result["loss"])
+    assert all(p.grad is not None and p.grad.device.type == DEVICE.type
+               for p in drafter.parameters() if p.requires_grad and p.grad is not None)
+    assert any(p.grad is not None for p in drafter.parameters())
