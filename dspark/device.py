@@ -63,6 +63,12 @@ def model_device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (timings; a no-op on CPU, where calls finish in place)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def host_values(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A tensor of Python `values` on `device`: built in pinned memory and copied without
     blocking on CUDA, built in place on CPU."""

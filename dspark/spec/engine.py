@@ -128,13 +128,14 @@ class SpecEngine(Engine):
         admitted = self._admit()
         decoding = [s for s in running]  # requests already past their prefill
         block, lens = self._draft(decoding)
+        # One copy to the host, which also waits for a GPU drafter: its time is counted as drafting.
+        block_tokens = block.tokens.tolist() if block is not None else []
         t_draft = time.perf_counter() - t0
         seqs = admitted + decoding
         if not seqs:
             return []
         device = self.model.device
         lens = [0] * len(admitted) + list(lens)
-        block_tokens = block.tokens.tolist() if block is not None and sum(lens) else []  # one copy to the host
         drafts = [[] for _ in admitted] + [block_tokens[i][:n] if n else [] for i, n in enumerate(lens[len(admitted):])]
         heads = [s.pending() for s in seqs]  # prompt for new requests, the anchor for the others
         batch = VarlenBatch.build([h + d for h, d in zip(heads, drafts)], [s.cached for s in seqs], [s.slot for s in seqs],
