@@ -200,3 +200,17 @@ def test_training_step_stays_on_the_device(kind):
     assert all(p.grad is not None and p.grad.device.type == DEVICE.type
                for p in drafter.parameters() if p.requires_grad and p.grad is not None)
     assert any(p.grad is not None for p in drafter.parameters())
+
+
+def test_confidence_scheduled_engine_stays_on_the_device():
+    from dspark.spec.confidence_policy import ConfidencePolicy
+
+    target = tiny_target().to(DEVICE)
+    drafter = random_drafter(target, "dspark").to(DEVICE)
+    policy = ConfidencePolicy(sps=lambda tokens: 100.0, static_k=2, explore=0.5)
+    engine = SpecEngine(target, drafter, policy, max_batch=4, max_len=128)
+    with DeviceChecker(DEVICE):
+        seqs = _run(engine, prompts_of([6, 13, 4]), PARAMS)
+    assert policy.history  # the confidences went through the policy's host-side maths
+    assert outputs(seqs)[0::2] == outputs(_run(Engine(target, max_batch=4, max_len=128), prompts_of([6, 13, 4]),
+                                               PARAMS))[0::2]

@@ -45,6 +45,8 @@ class ConfidencePolicy:
         self.external_k = k
 
     def calibrated_survival(self, conf_logits) -> np.ndarray:
+        if hasattr(conf_logits, "cpu"):  # a tensor, maybe on a GPU: one copy to the host
+            conf_logits = conf_logits.float().cpu().numpy()
         z = np.asarray(conf_logits, dtype=np.float64)
         conf = apply_sts(z, self.temperatures) if self.temperatures is not None else 1 / (1 + np.exp(-z))
         return prefix_survival(conf)
