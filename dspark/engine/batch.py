@@ -5,6 +5,7 @@ causally to everything before them in that slot only.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +45,7 @@ class VarlenBatch:
 
     def last_rows(self) -> torch.Tensor:
         """Flat row of each sequence's last new token (where next-token logits come from)."""
-        rows = [sum(self.lens[:b + 1]) - 1 for b in range(len(self.lens))]
-        return host_values(rows, torch.long, self.tokens.device)
+        return host_values([end - 1 for end in itertools.accumulate(self.lens)], torch.long, self.tokens.device)
 
     def seq_rows(self, b: int) -> slice:
         first = sum(self.lens[:b])
