@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from dspark.device import add_device_flag, describe, resolve_device, synchronize
+from dspark.device import add_device_flag, describe, device_or_exit, synchronize
 from dspark.engine.batch import VarlenBatch
 from dspark.engine.generate import Engine
 from dspark.generate import load_drafter_for
@@ -149,7 +149,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=20, help="curve: timed rounds")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    {"parity": parity, "identity": identity, "curve": curve, "speed": speed}[args.check](args, resolve_device(args.device))
+    {"parity": parity, "identity": identity, "curve": curve, "speed": speed}[args.check](args, device_or_exit(args.device, "gpu_check"))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.drafters.checkpoint import load_calibration, load_config, load_drafter
 from dspark.models.config import spread_layers
-from dspark.device import DeviceUnavailable, add_device_flag, describe, resolve_device
+from dspark.device import add_device_flag, describe, device_or_exit
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag, apply_precision
 from dspark.models.threads import configure_threads
@@ -89,10 +89,7 @@ async def serve(args) -> None:
 def main(argv=None):
     args = parse_args(argv)
     setup_logging(args.log_level)
-    try:  # refuse at once, before binding ports or loading weights
-        args.device = resolve_device(args.device)
-    except (ValueError, DeviceUnavailable) as error:
-        raise SystemExit(f"drafter: {error}") from None
+    args.device = device_or_exit(args.device, "drafter")  # refused before binding ports or loading weights
     torch.set_grad_enabled(False)
     configure_threads()
     asyncio.run(serve(args))

@@ -47,6 +47,14 @@ def resolve_device(name: str | torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
+def device_or_exit(name: str | torch.device, who: str) -> torch.device:
+    """resolve_device for a command line: a bad or missing device ends the process with the reason."""
+    try:
+        return resolve_device(name)
+    except (ValueError, DeviceUnavailable) as error:
+        raise SystemExit(f"{who}: {error}") from None
+
+
 def describe(device: torch.device) -> str:
     """'cpu' or 'cuda:0 (NVIDIA H200)': for logs, health and metrics."""
     if device.type == "cuda":

@@ -9,7 +9,7 @@ import argparse
 import time
 from pathlib import Path
 
-from dspark.device import add_device_flag, describe, resolve_device
+from dspark.device import add_device_flag, describe, device_or_exit
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag, apply_precision
 from dspark.models.threads import configure_threads
@@ -55,7 +55,7 @@ def main(argv=None):
     add_device_flag(ap)
     args = ap.parse_args(argv)
 
-    device = resolve_device(args.device)
+    device = device_or_exit(args.device, "generate")
     threads = configure_threads()
     loaded = load_model(args.model, device=device, precision=args.precision)
     drafter = load_drafter_for(loaded, args.drafter, args.precision)

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dspark.generate import default_drafter_dir
 from dspark.models.loader import DEFAULT_MODEL
-from dspark.device import add_device_flag, resolve_device
+from dspark.device import add_device_flag, device_or_exit
 from dspark.models.precision import add_precision_flag
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
                     help="also run the OpenAI-compatible HTTP gateway on this port and serve until Ctrl-C (0 = off)")
     ap.add_argument("--log-dir", default="", help="where the services log (default: a temporary directory)")
     args = ap.parse_args(argv)
-    resolve_device(args.device)  # a missing GPU fails here, before three services start
+    device_or_exit(args.device, "local")  # a missing GPU fails here, before three services start
 
     from dspark_client import Client
     from dspark_client.types import collect

@@ -8,6 +8,7 @@
 #   6. the three services on this one GPU (drafter and verifier share it) generating one prompt
 #
 #   bash scripts/gpu_check.sh            # DEVICE=cuda:1 to use another GPU; PYTHON=... another python
+#   DEVICE=cpu QUICK=1 bash scripts/gpu_check.sh   # the same steps, small, on a machine without a GPU
 #
 # Installs what it needs from the repo: the project itself (editable, no downloads) plus any
 # wheels under .whl/ (a GPU machine that cannot fetch gets the missing ones carried there; the
@@ -20,6 +21,11 @@ DEVICE="${DEVICE:-cuda}"
 PY="${PYTHON:-python3}"
 SITE="${DSPARK_GPU_SITE:-/tmp/dspark-gpu-site}"
 started=$(date +%s)
+if [ "${QUICK:-0}" = 1 ]; then
+  PROMPTS=2; TOKENS=12; ROUNDS=2; SIZES=1,4,16; SERVICE_TOKENS=8
+else
+  PROMPTS=8; TOKENS=64; ROUNDS=20; SIZES=1,2,4,8,16,32,64; SERVICE_TOKENS=64
+fi
 step() { printf '\n=== %s (%ss) ===\n' "$*" "$(($(date +%s) - started))"; }
 
 step "environment"
@@ -28,9 +34,12 @@ import sys
 import torch
 device = sys.argv[1]
 print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-if not torch.cuda.is_available():
-    sys.exit(f"gpu_check: no CUDA device visible to this torch; it needs a GPU (asked for {device})")
-print("GPU:", torch.cuda.get_device_name(torch.device(device)))
+if device.startswith("cuda"):
+    if not torch.cuda.is_available():
+        sys.exit(f"gpu_check: no CUDA device visible to this torch; it needs a GPU (asked for {device})")
+    print("GPU:", torch.cuda.get_device_name(torch.device(device)))
+else:
+    print(f"device {device}: no GPU asked for (a dry run of the steps)")
 EOF
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 
@@ -51,7 +60,7 @@ export PYTHONUNBUFFERED=1
 import importlib, sys
 need = ["torch", "triton", "numpy", "safetensors", "tokenizers", "gguf", "jinja2", "grpc", "grpc_health",
         "grpc_reflection", "google.protobuf", "redis", "opentelemetry.sdk", "prometheus_client", "pytest",
-        "dspark", "dspark_client", "verifier_svc", "drafter_svc", "scheduler_svc"]
+        "dspark_client", "verifier_svc.__main__", "drafter_svc.__main__", "scheduler_svc.__main__", "dspark.local"]
 missing = []
 for name in need:
     try:
@@ -65,24 +74,24 @@ print("target GGUF:", default_gguf_path())
 EOF
 
 step "1. fp32 parity, $DEVICE vs cpu"
-"$PY" benchmarks/gpu_check.py parity --device "$DEVICE" --prompts 4
+"$PY" benchmarks/gpu_check.py parity --device "$DEVICE" --prompts "$((PROMPTS < 4 ? PROMPTS : 4))"
 
 step "2. device checker on $DEVICE (tests/test_device.py)"
-DSPARK_TEST_DEVICE="$DEVICE" "$PY" -m pytest tests/test_device.py -q -p no:cacheprovider -k "stay_on_the_device or planted"
+DSPARK_TEST_DEVICE="$DEVICE" "$PY" -m pytest tests/test_device.py -q -p no:cacheprovider
 
 step "3. greedy identity, speculative vs plain, on $DEVICE"
-"$PY" benchmarks/gpu_check.py identity --device "$DEVICE" --precisions fp32,bf16 --prompts 8 --max-tokens 64
+"$PY" benchmarks/gpu_check.py identity --device "$DEVICE" --precisions fp32,bf16 --prompts "$PROMPTS" --max-tokens "$TOKENS"
 
 step "4. verification curve on $DEVICE"
-"$PY" benchmarks/gpu_check.py curve --device "$DEVICE" --precision bf16
-"$PY" benchmarks/gpu_check.py curve --device "$DEVICE" --precision fp32 --rounds 10
+"$PY" benchmarks/gpu_check.py curve --device "$DEVICE" --precision bf16 --sizes "$SIZES" --rounds "$ROUNDS"
+"$PY" benchmarks/gpu_check.py curve --device "$DEVICE" --precision fp32 --sizes "$SIZES" --rounds "$((ROUNDS / 2))"
 
 step "5. single-stream tokens/s on $DEVICE"
-"$PY" benchmarks/gpu_check.py speed --device "$DEVICE" --precision bf16 --prompts 4 --max-tokens 128
+"$PY" benchmarks/gpu_check.py speed --device "$DEVICE" --precision bf16 --prompts "$((PROMPTS / 2))" --max-tokens "$((2 * TOKENS))"
 
 step "6. three services on one GPU ($DEVICE), one prompt"
 logs="$(mktemp -d)"
-if ! timeout 300 "$PY" -m dspark.local --device "$DEVICE" --max-tokens 64 --log-dir "$logs" \
+if ! timeout 600 "$PY" -m dspark.local --device "$DEVICE" --max-tokens "$SERVICE_TOKENS" --log-dir "$logs" \
      --prompt "Explain speculative decoding in two sentences."; then
   echo "gpu_check: the services failed; their logs:"; tail -n 30 "$logs"/*.log; exit 1
 fi

@@ -36,6 +36,14 @@ class DeviceViolation(AssertionError):
     pass
 
 
+def _normalized(device) -> torch.device:
+    """cuda means the current GPU: compare it by index, as tensors report it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _name(func) -> str:
     qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
     return qualname.replace("_VariableFunctionsClass.", "")
@@ -44,7 +52,7 @@ def _name(func) -> str:
 class DeviceChecker(TorchFunctionMode):
     def __init__(self, device: torch.device | str):
         super().__init__()
-        self.device = torch.device(device)
+        self.device = _normalized(device)
         self.violations: list[str] = []
         self.factory_calls = 0  # how many creations it checked: a test can see it really looked
 
@@ -66,7 +74,7 @@ class DeviceChecker(TorchFunctionMode):
         device = kwargs.get("device")
         if device is None:
             self._fail(f"torch.{_name(func)} without device=: it lands on the CPU whatever device the model uses")
-        if torch.device(device) != self.device:
+        if _normalized(device) != self.device:
             self._fail(f"torch.{_name(func)}(device={device}) in a step on {self.device}")
 
     def _check_inputs(self, func, args, kwargs) -> None:

@@ -25,7 +25,7 @@ from tests.device_checker import DeviceChecker, DeviceViolation
 from tests.spec_helpers import random_drafter, tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
-DEVICE = torch.device(os.environ.get("DSPARK_TEST_DEVICE", "cpu"))
+DEVICE = resolve_device(os.environ.get("DSPARK_TEST_DEVICE", "cpu"))
 MISSING_GPU = f"cuda:{torch.cuda.device_count()}"  # one past the last visible GPU: never there
 KINDS = ["dspark", "dflash", "eagle3"]
 
@@ -67,13 +67,16 @@ def test_cuda_bf16_linear_is_a_bf16_matmul_with_fp32_io():
     assert y.dtype == torch.float32 and torch.equal(y, want)
 
 
-@pytest.mark.parametrize("service", ["verifier_svc", "drafter_svc"])
-def test_service_refuses_a_gpu_it_has_not_got(service):
-    proc = subprocess.run([sys.executable, "-m", service, f"--device={MISSING_GPU}", "--port=0"],
+@pytest.mark.parametrize("module, who, flags", [
+    ("verifier_svc", "verifier", ["--port=0"]), ("drafter_svc", "drafter", ["--port=0"]),
+    ("dspark.generate", "generate", ["hello"]), ("dspark.local", "local", []),
+])
+def test_commands_refuse_a_gpu_they_have_not_got(module, who, flags):
+    proc = subprocess.run([sys.executable, "-m", module, f"--device={MISSING_GPU}", *flags],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert f"--device {MISSING_GPU}" in proc.stderr
-    assert "listening" not in proc.stderr  # refused before binding a port or loading weights
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"{who}: --device {MISSING_GPU}: ")
+    assert "listening" not in proc.stderr and "starting services" not in proc.stderr  # before ports or weights
 
 
 # ---- the checker itself ------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import socket
 
-from dspark.device import DeviceUnavailable, add_device_flag, describe, resolve_device
+from dspark.device import add_device_flag, describe, device_or_exit
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag
 from dspark.models.threads import configure_threads
@@ -155,10 +155,7 @@ async def serve(args) -> None:
 def main(argv=None):
     args = parse_args(argv)
     setup_logging(args.log_level)
-    try:  # refuse at once, before binding ports or loading weights
-        args.device = resolve_device(args.device)
-    except (ValueError, DeviceUnavailable) as error:
-        raise SystemExit(f"verifier: {error}") from None
+    args.device = device_or_exit(args.device, "verifier")  # refused before binding ports or loading weights
     configure_threads()
     asyncio.run(serve(args))
 

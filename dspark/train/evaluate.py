@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dspark.device import add_device_flag, resolve_device
+from dspark.device import add_device_flag, device_or_exit
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.sampling import SamplingParams
 from dspark.sched.calibration import apply_sts
@@ -98,7 +98,7 @@ def main(argv=None):
     add_device_flag(ap)
     args = ap.parse_args(argv)
 
-    loaded = load_model(args.model, device=resolve_device(args.device))
+    loaded = load_model(args.model, device=device_or_exit(args.device, "evaluate"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = {d: [loaded.tokenizer.encode_chat([{"role": "user", "content": p}])

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from dspark.device import add_device_flag, resolve_device
+from dspark.device import add_device_flag, device_or_exit
 from dspark.engine.generate import Engine
 from dspark.models.config import spread_layers
 from dspark.models.loader import load_model
@@ -73,7 +73,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    loaded = load_model(args.model, device=resolve_device(args.device), precision=args.precision)
+    loaded = load_model(args.model, device=device_or_exit(args.device, "prepare"), precision=args.precision)
     model, tok = loaded.model, loaded.tokenizer
     cfg = model.config
     ctx_layers = spread_layers(cfg.num_layers, args.num_ctx_layers)

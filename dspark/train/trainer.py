@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from dspark.device import add_device_flag, resolve_device
+from dspark.device import add_device_flag, device_or_exit
 from dspark.drafters import build_drafter
 from dspark.drafters.checkpoint import save_drafter
 from dspark.drafters.config import DrafterConfig
@@ -353,7 +353,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    summary = train(args.config, args.data, args.out, resume=not args.no_resume, device=resolve_device(args.device))
+    summary = train(args.config, args.data, args.out, resume=not args.no_resume, device=device_or_exit(args.device, "trainer"))
     print(json.dumps(summary, indent=2))
 
 
