@@ -95,6 +95,6 @@ if ! timeout 600 "$PY" -m dspark.local --device "$DEVICE" --max-tokens "$SERVICE
      --prompt "Explain speculative decoding in two sentences."; then
   echo "gpu_check: the services failed; their logs:"; tail -n 30 "$logs"/*.log; exit 1
 fi
-grep -h -E "serving|drafter .* on " "$logs"/*.log | sed 's/^/  log: /' || true
+grep -h -E "verifier_svc INFO verifier .* serving|drafter_svc INFO drafter .* on " "$logs"/*.log | sed 's/^/  log: /' || true
 
 step "done"
