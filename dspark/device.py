@@ -12,7 +12,7 @@ import os
 
 import torch
 
-DEVICE_HELP = "cpu, cuda or cuda:N (default: $DSPARK_DEVICE, else cpu)"
+DEVICE_NAMES = "cpu, cuda or cuda:N"
 
 
 class DeviceUnavailable(RuntimeError):
@@ -21,7 +21,8 @@ class DeviceUnavailable(RuntimeError):
 
 def add_device_flag(ap: argparse.ArgumentParser, default: str = "cpu") -> None:
     """--device, defaulting to $DSPARK_DEVICE, else `default`."""
-    ap.add_argument("--device", default=os.environ.get("DSPARK_DEVICE") or default, help=DEVICE_HELP)
+    ap.add_argument("--device", default=os.environ.get("DSPARK_DEVICE") or default,
+                    help=f"{DEVICE_NAMES} (default: $DSPARK_DEVICE, else {default})")
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
@@ -31,11 +32,11 @@ def resolve_device(name: str | torch.device) -> torch.device:
     try:
         device = torch.device(text)
     except RuntimeError:
-        raise ValueError(f"--device must be {DEVICE_HELP.split(' (')[0]}, got {name!r}") from None
+        raise ValueError(f"--device must be {DEVICE_NAMES}, got {name!r}") from None
     if device.type == "cpu":
         return torch.device("cpu")
     if device.type != "cuda":
-        raise ValueError(f"--device must be {DEVICE_HELP.split(' (')[0]}, got {name!r}")
+        raise ValueError(f"--device must be {DEVICE_NAMES}, got {name!r}")
     if not torch.cuda.is_available():
         why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
         raise DeviceUnavailable(f"--device {text}: {why} (torch {torch.__version__}, "
