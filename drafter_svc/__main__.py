@@ -1,4 +1,5 @@
 """python -m drafter_svc --port=50053 --health-port=50060 --metrics-port=9400 --kind=dspark --checkpoint=DIR
+       [--device=cpu|cuda|cuda:N]
 
 Without --checkpoint (or with an empty one) a randomly initialised drafter of --kind is served,
 so the pipeline runs before any drafter is trained (tests, local mode).
@@ -14,10 +15,12 @@ import torch
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.drafters.checkpoint import load_calibration, load_config, load_drafter
 from dspark.models.config import spread_layers
+from dspark.device import add_device_flag, describe, device_or_exit
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag, apply_precision
 from dspark.models.threads import configure_threads
 from dspark.proto_gen.v1 import drafter_pb2_grpc
+from dspark.serving import metrics
 from dspark.serving.config import common_parser, env
 from dspark.serving.server import GrpcApp, setup_logging
 from drafter_svc.service import DrafterService
@@ -37,6 +40,7 @@ def parse_args(argv=None):
     ap.add_argument("--num-layers", type=int, default=2, help="decoder layers of a random drafter")
     ap.add_argument("--seed", type=int, default=0, help="initialisation seed of a random drafter")
     add_precision_flag(ap)
+    add_device_flag(ap)
     ap.set_defaults(max_message_mb=float(env("DSPARK_MAX_MESSAGE_MB", 256)))  # hidden-state batches are big
     return ap.parse_args(argv)
 
@@ -49,19 +53,19 @@ def load(args):
         checkpoint = None
     cfg = load_config(checkpoint) if checkpoint else None
     target_name = args.target_model or (cfg.target if cfg and cfg.target else "") or env("DSPARK_MODEL", DEFAULT_MODEL)
-    loaded = load_model(target_name)
+    loaded = load_model(target_name)  # on the host: only its embedding and LM head go to the device
     embed = loaded.model.model.embed_tokens.weight.detach().clone()
     lm_head = loaded.model.output_weight.detach().clone()
     target_cfg, name = loaded.model.config, loaded.name
     del loaded  # the rest of the target is not needed here
     if checkpoint:
-        drafter = load_drafter(checkpoint, embed, lm_head)
+        drafter = load_drafter(checkpoint, embed, lm_head).to(args.device)
     else:
         torch.manual_seed(args.seed)
         cfg = DrafterConfig.for_target(target_cfg, args.kind, ctx_layers=spread_layers(target_cfg.num_layers, 5),
                                        gamma=args.gamma, num_layers=args.num_layers, target=name,
                                        version=f"random-{args.kind}-{args.seed}")
-        drafter = build_drafter(cfg, embed, lm_head).eval()
+        drafter = build_drafter(cfg, embed, lm_head).to(args.device).eval()
     log.info("drafter matmuls on %s kernels", apply_precision(drafter, args.precision))
     return drafter, name
 
@@ -73,9 +77,10 @@ async def serve(args) -> None:
     service.drafter, service.target_model = await asyncio.to_thread(load, args)
     if args.checkpoint and service.drafter.has_confidence:
         service.sts_temperatures = load_calibration(args.checkpoint, service.drafter.version)
-    log.info("drafter %s (version %s, gamma %d, layers %s) for %s; shipped STS temperatures: %s",
+    metrics.report_device("drafter", describe(args.device))
+    log.info("drafter %s (version %s, gamma %d, layers %s) for %s on %s; shipped STS temperatures: %s",
              service.drafter.kind, service.drafter.version, service.drafter.gamma, service.drafter.ctx_layers,
-             service.target_model, service.sts_temperatures)
+             service.target_model, describe(args.device), service.sts_temperatures)
     await app.set_serving()
     await app.wait_for_termination()
     service.executor.shutdown(wait=False)
@@ -84,6 +89,7 @@ async def serve(args) -> None:
 def main(argv=None):
     args = parse_args(argv)
     setup_logging(args.log_level)
+    args.device = device_or_exit(args.device, "drafter")  # refused before binding ports or loading weights
     torch.set_grad_enabled(False)
     configure_threads()
     asyncio.run(serve(args))

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from dspark.drafters.base import Drafter
+from dspark.drafters.base import DraftBlock, Drafter
 from dspark.proto_gen.v1 import drafter_pb2
 from dspark.wire import WireError, tensor_from_proto, tensor_to_proto
 
@@ -45,6 +45,11 @@ def decode_updates(request: drafter_pb2.DraftRequest, width: int) -> list[tuple]
     return out
 
 
+def block_to_host(block: DraftBlock) -> DraftBlock:
+    return DraftBlock(*(None if t is None else t.cpu() for t in (block.tokens, block.conf_logits, block.support_ids,
+                                                                 block.support_probs, block.logits)))
+
+
 def draft_seed(seed: int, position: int) -> int:
     """A generator seed per (request seed, anchor position): replica- and history-independent."""
     return (seed * 1_000_003 + position) % (1 << 63)
@@ -71,7 +76,7 @@ def answer(drafter: Drafter, stream: int, keys: set[str], request: drafter_pb2.D
             continue
         drafter.rollback(key, update.context_len)
         if n:
-            drafter.extend_context(key, hidden.float(), torch.tensor(list(update.tokens), dtype=torch.long))
+            drafter.extend_context(key, hidden, torch.tensor(list(update.tokens), dtype=torch.long))  # to its device there
         keys.add(key)
         drafting.append(update)
     blocks = {}
@@ -81,6 +86,7 @@ def answer(drafter: Drafter, stream: int, keys: set[str], request: drafter_pb2.D
         block = drafter.draft([context_key(stream, u.request_id) for u in drafting],
                               torch.tensor([u.anchor_token for u in drafting], dtype=torch.long),
                               torch.tensor([u.temperature for u in drafting], dtype=torch.float32), gens)
+        block = block_to_host(block)  # off the drafter's device in one go, onto the wire
         for i, u in enumerate(drafting):
             blocks[u.request_id] = drafter_pb2.SequenceDraft(
                 request_id=u.request_id, tokens=block.tokens[i].tolist(),

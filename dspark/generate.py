@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from dspark.device import add_device_flag, describe, device_or_exit
 from dspark.drafters.shipped import load_drafter_for
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag
@@ -28,12 +29,14 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
     add_precision_flag(ap)
+    add_device_flag(ap)
     args = ap.parse_args(argv)
 
+    device = device_or_exit(args.device, "generate")
     threads = configure_threads()
-    loaded = load_model(args.model, precision=args.precision)
+    loaded = load_model(args.model, device=device, precision=args.precision)
     drafter = load_drafter_for(loaded, args.drafter, args.precision)
-    print(f"[{loaded.name}: {loaded.model.precision} matmuls, {threads} CPU threads]", flush=True)
+    print(f"[{loaded.name}: {loaded.model.precision} matmuls on {describe(device)}, {threads} CPU threads]", flush=True)
     policy = FixedDraftLen(args.draft_len if args.draft_len is not None else (drafter.gamma if drafter else 0))
     engine = SpecEngine(loaded.model, drafter, policy, max_batch=4, max_len=2048)
     prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": " ".join(args.prompt)}])

@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dspark.drafters.shipped import default_drafter_dir
 from dspark.models.loader import DEFAULT_MODEL
+from dspark.device import add_device_flag, device_or_exit
 from dspark.models.precision import add_precision_flag
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,10 +77,12 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
     add_precision_flag(ap)
+    add_device_flag(ap)
     ap.add_argument("--gateway-port", type=int, default=0,
                     help="also run the OpenAI-compatible HTTP gateway on this port and serve until Ctrl-C (0 = off)")
     ap.add_argument("--log-dir", default="", help="where the services log (default: a temporary directory)")
     args = ap.parse_args(argv)
+    device_or_exit(args.device, "local")  # a missing GPU fails here, before three services start
 
     from dspark_client import Client
     from dspark_client.types import collect
@@ -95,13 +98,13 @@ def main(argv=None) -> int:
     procs = {
         "drafter_svc": start("drafter_svc", [f"--port={ports['drafter_svc']}", "--kind=dspark",
                                              f"--checkpoint={checkpoint}", f"--target-model={args.model}",
-                                             f"--precision={args.precision}"], log_dir),
+                                             f"--precision={args.precision}", f"--device={args.device}"], log_dir),
         "scheduler_svc": start("scheduler_svc", [f"--port={ports['scheduler_svc']}", "--redis-url=",
                                                  f"--verifiers={addr['verifier_svc']}"], log_dir),
         "verifier_svc": start("verifier_svc", [f"--port={ports['verifier_svc']}", f"--model={args.model}",
                                                f"--drafter-addr={addr['drafter_svc']}",
                                                f"--scheduler-addr={addr['scheduler_svc']}", "--max-batch=4",
-                                               f"--precision={args.precision}"], log_dir),
+                                               f"--precision={args.precision}", f"--device={args.device}"], log_dir),
     }
     try:
         wait_all({n: (p, addr[n]) for n, p in procs.items()}, timeout=600, log_dir=log_dir)

@@ -37,9 +37,11 @@ class SamplingParams:
 
 
 def rand_from(generator: torch.Generator | None, n: int) -> torch.Tensor:
-    """`n` uniforms in [0, 1) (float32, CPU) from `generator`, or the global RNG when None."""
-    if generator is None:
-        return torch.rand(n)
+    """`n` uniforms in [0, 1) (float32, CPU) from `generator`, or the global CPU RNG when None.
+
+    Uniforms always come from a CPU generator, whatever device the model runs on, so a seeded
+    request replays the same draws on CPU and GPU; callers copy them to the model's device."""
+    generator = torch.default_generator if generator is None else generator
     return torch.rand(n, generator=generator, device=generator.device).cpu()
 
 
@@ -50,7 +52,7 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     with positive weight. Rows with zero total give index 0.
     """
     cumulative = weights.float().cumsum(dim=-1)
-    threshold = uniforms.to(cumulative.device).float() * cumulative[:, -1]
+    threshold = uniforms.to(cumulative.device, non_blocking=True).float() * cumulative[:, -1]
     exceeds = cumulative > threshold[:, None]
     # Rounding can put the threshold on the total itself; then take the last positive weight.
     last_positive = _last_true(weights > 0)
@@ -104,8 +106,9 @@ def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
 
 def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row of `probs [N, V]`, row i driven by `generators[i]`. One-hot rows give the argmax."""
-    uniforms = torch.cat([rand_from(g, 1) for g in generators]) if generators else torch.empty(0)
-    return inverse_cdf(probs, uniforms)
+    if not generators:
+        return torch.empty(0, dtype=torch.long, device=probs.device)
+    return inverse_cdf(probs, torch.cat([rand_from(g, 1) for g in generators]))
 
 
 def truncated_draft_distribution(

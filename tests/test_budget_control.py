@@ -12,11 +12,9 @@ import torch
 
 from dspark.engine.generate import Engine
 from dspark.proto_gen.v1 import load_pb2, tensor_pb2
-from dspark.sched.budget_source import ScheduledBudget
 from dspark.sched.calibration import OnlineCalibrationStats, apply_sts
 from dspark.sched.prefix_scheduler import admit_top_k
 from dspark.sched.verify_budget import calibrated_survival, verify_budget
-from dspark.speculative.policy import ConfidencePolicy
 from scheduler_svc.budget_planner import BudgetPlanner, seconds_table
 from scheduler_svc.calibration_store import Fit, MemoryCalibrationStore
 from scheduler_svc.online_calibration import OnlineCalibrator

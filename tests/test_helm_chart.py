@@ -324,3 +324,29 @@ def test_dashboard_covers_required_metrics():
                  "ece", "queue", "step latency", "request latency"):
         assert word in titles, word
     assert len({p["id"] for p in panels}) == len(panels)
+
+
+def test_device_values_and_flags_agree(helm):
+    docs = render(helm)
+    config = by_kind(docs, "ConfigMap")[f"{RELEASE}-dspark-config"]["data"]
+    assert config["DSPARK_DEVICE"] == "cuda"  # the pods request a GPU, so they run on it
+    for component in ("verifier", "drafter"):
+        _, c = container(docs, component)
+        assert "--device=$(DSPARK_DEVICE)" in c["args"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    docs = render(helm, "--set", "model.device=cuda:1", "--set", "verifier.resources.limits.nvidia\\.com/gpu=2",
+                  "--set", "drafter.resources.limits.nvidia\\.com/gpu=2")
+    assert by_kind(docs, "ConfigMap")[f"{RELEASE}-dspark-config"]["data"]["DSPARK_DEVICE"] == "cuda:1"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.device=cpu"], "model.device=cpu but the verifier requests nvidia.com/gpu=1"),
+    (["model.device=cuda:1"], "model.device=cuda:1 but the verifier requests only nvidia.com/gpu=1"),
+    (["model.precision=int8"], "model.precision=int8 runs on CPU kernels only"),
+    (["model.device=tpu"], "'/model/device'"),
+])
+def test_device_disagreeing_with_the_gpus_is_refused(helm, overrides, message):
+    args = [a for o in overrides for a in ("--set", o)]
+    proc = run_helm(helm, "template", "t", str(CHART), *args, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr

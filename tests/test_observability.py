@@ -211,8 +211,10 @@ def test_prometheus_counters_move_with_a_generation(cluster):
         pytest.fail(f"deltas {[(n, total(after, n) - total(before, n)) for n in expected]} != {expected}")
     after = scrape(ports["verifier"])
     assert ("dspark_verify_budget", ()) in after
-    assert total(scrape(ports["drafter"]), "dspark_drafter_requests_total") > total(drafter_before,
-                                                                                   "dspark_drafter_requests_total")
+    assert after[("dspark_device_info", (("device", "cpu"), ("service", "verifier")))] == 1  # where it runs
+    drafter_after = scrape(ports["drafter"])
+    assert drafter_after[("dspark_device_info", (("device", "cpu"), ("service", "drafter")))] == 1
+    assert total(drafter_after, "dspark_drafter_requests_total") > total(drafter_before, "dspark_drafter_requests_total")
     assert ("dspark_queue_depth", ()) in scrape(ports["scheduler"])
 
 

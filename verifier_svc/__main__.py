@@ -1,6 +1,6 @@
 """python -m verifier_svc --port=50052 --health-port=50060 --metrics-port=9400 --model=smollm2-135m
        --drafter-addr=HOST:50053 --scheduler-addr=HOST:50051 [--verifier-id=...]
-       [--max-batch=16] [--max-len=2048] [--draft-len=N] [--schedule=on|off]
+       [--max-batch=16] [--max-len=2048] [--draft-len=N] [--schedule=on|off] [--device=cpu|cuda|cuda:N]
 
 --drafter-addr empty = plain decoding; --scheduler-addr empty = no reports (direct use only).
 """
@@ -10,6 +10,7 @@ import asyncio
 import logging
 import socket
 
+from dspark.device import add_device_flag, describe, device_or_exit
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag
 from dspark.models.threads import configure_threads
@@ -38,6 +39,7 @@ def parse_args(argv=None):
     ap.add_argument("--advertise-addr", default=env("DSPARK_ADVERTISE_ADDR", ""),
                     help="host:port the scheduler dials (default: $POD_IP or 127.0.0.1, with --port)")
     add_precision_flag(ap)
+    add_device_flag(ap)
     ap.add_argument("--max-batch", type=int, default=int(env("DSPARK_MAX_BATCH", 16)))
     ap.add_argument("--max-len", type=int, default=int(env("DSPARK_MAX_LEN", 2048)))
     ap.add_argument("--draft-len", type=int, default=int(env("DSPARK_DRAFT_LEN", -1)),
@@ -88,7 +90,8 @@ async def serve(args) -> None:
          "dspark.v1.Verifier"),
     ])
     await app.start()
-    loaded = await asyncio.to_thread(load_model, args.model, precision=args.precision)
+    loaded = await asyncio.to_thread(load_model, args.model, device=args.device, precision=args.precision)
+    metrics.report_device("verifier", describe(args.device))
     drafter = None
     if args.drafter_addr:
         remote = RemoteDrafter(args.drafter_addr, timeout_s=args.drafter_timeout_s)
@@ -141,9 +144,9 @@ async def serve(args) -> None:
         reporter.start()
         app.on_shutdown.insert(0, reporter.close)
     app.on_shutdown.append(lambda: asyncio.to_thread(runner.stop))
-    log.info("verifier %s serving %s (%s matmuls) at %s (drafter: %s, draft len %d, max batch %d, "
-             "max len %d)", args.verifier_id, loaded.name, loaded.model.precision, args.advertise_addr,
-             drafter.kind if drafter else "none", draft_len, args.max_batch, args.max_len)
+    log.info("verifier %s serving %s (%s matmuls on %s) at %s (drafter: %s, draft len %d, max batch %d, "
+             "max len %d)", args.verifier_id, loaded.name, loaded.model.precision, describe(args.device),
+             args.advertise_addr, drafter.kind if drafter else "none", draft_len, args.max_batch, args.max_len)
     await app.set_serving()
     await app.wait_for_termination()
 
@@ -151,6 +154,7 @@ async def serve(args) -> None:
 def main(argv=None):
     args = parse_args(argv)
     setup_logging(args.log_level)
+    args.device = device_or_exit(args.device, "verifier")  # refused before binding ports or loading weights
     configure_threads()
     asyncio.run(serve(args))
 

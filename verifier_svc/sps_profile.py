@@ -17,6 +17,7 @@ import time
 import numpy as np
 import torch
 
+from dspark.device import synchronize
 from dspark.models.batch import VarlenBatch
 from dspark.proto_gen.v1 import load_pb2
 from dspark.sched.sps import SpsTable
@@ -48,16 +49,18 @@ def warmup_profile(engine, max_tokens: int, repeats: int = 3, budget_s: float = 
         if not slots:
             return SpsTable()
         prefix = [[(7 * s + i) % vocab for i in range(context)] for s in range(len(slots))]
-        engine.model(VarlenBatch.build(prefix, [0] * len(slots), slots), cache, logits_rows=None)
+        device = engine.model.device
+        engine.model(VarlenBatch.build(prefix, [0] * len(slots), slots, device=device), cache, logits_rows=None)
         for b in profile_token_counts(max_tokens):
             num_seqs = min(b, len(slots))
             lens = [b // num_seqs + (i < b % num_seqs) for i in range(num_seqs)]
             batch = VarlenBatch.build([[(3 * i + j) % vocab for j in range(n)] for i, n in enumerate(lens)],
-                                      [context] * num_seqs, slots[:num_seqs])
+                                      [context] * num_seqs, slots[:num_seqs], device=device)
             samples = []
             for _ in range(repeats + 1):  # the first pass at a new shape is a warm-up
                 t0 = time.perf_counter()
                 engine.model(batch, cache, capture_layers=capture, logits_rows="all")
+                synchronize(device)  # a GPU pass is only queued when the call returns
                 samples.append(time.perf_counter() - t0)
                 for slot in slots[:num_seqs]:
                     cache.rollback(slot, context)

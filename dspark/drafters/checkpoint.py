@@ -22,7 +22,7 @@ def save_drafter(drafter: Drafter, directory: str | Path, dtype: torch.dtype = t
     """Write config.json and model.safetensors (floating tensors in `dtype`; ids stay int64)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {name: (t.to(dtype) if t.is_floating_point() else t).contiguous()
+    state = {name: (t.to(dtype) if t.is_floating_point() else t).contiguous().cpu()
              for name, t in drafter.state_dict().items()}
     save_file(state, str(directory / "model.safetensors"), metadata={"format_version": str(FORMAT_VERSION)})
     config = {"format_version": FORMAT_VERSION, **drafter.cfg.to_dict()}

@@ -16,13 +16,14 @@ def default_drafter_dir(model_name: str, kind: str = "dspark") -> Path | None:
 
 def load_drafter_for(loaded, drafter: str | None, precision: str = "fp32"):
     """'none' -> no drafter; a path; or a kind name looked up among the shipped drafters.
-    precision: the kernels of the drafter's own matmuls (dspark.models.precision)."""
+    precision: the kernels of the drafter's own matmuls (dspark.models.precision). The drafter
+    runs on the target's device."""
     if drafter in (None, "none"):
         return None
     path = Path(drafter) if (Path(drafter) / "config.json").exists() else default_drafter_dir(loaded.name, drafter)
     if path is None:
         return None
     model = loaded.model
-    module = load_drafter(path, model.model.embed_tokens.weight, model.output_weight).eval()
+    module = load_drafter(path, model.model.embed_tokens.weight, model.output_weight).to(model.device).eval()
     apply_precision(module, precision)
     return module

@@ -10,6 +10,7 @@ from collections import deque
 
 import torch
 
+from dspark.device import host_values
 from dspark.models.batch import VarlenBatch
 from dspark.engine.sequence import Sequence
 from dspark.models.transformer import Transformer
@@ -18,13 +19,14 @@ from dspark.sampling import SamplingParams, logits_to_probs, sample_from_probs
 
 def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """Sample one token per row with each sequence's own parameters and generator."""
+    device = logits.device
     probs = logits_to_probs(
         logits,
-        torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32),
-        torch.tensor([s.params.top_k for s in seqs], dtype=torch.long),
-        torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32),
+        host_values([s.params.temperature for s in seqs], torch.float32, device),
+        host_values([s.params.top_k for s in seqs], torch.long, device),
+        host_values([s.params.top_p for s in seqs], torch.float32, device),
     )
-    return sample_from_probs(probs, [s.generator for s in seqs]).tolist()
+    return sample_from_probs(probs, [s.generator for s in seqs]).tolist()  # tokens out: the one copy to the host
 
 
 class Engine:
@@ -91,7 +93,8 @@ class Engine:
         seqs = list(self.running)
         if not seqs:
             return []
-        batch = VarlenBatch.build([s.pending() for s in seqs], [s.cached for s in seqs], [s.slot for s in seqs])
+        batch = VarlenBatch.build([s.pending() for s in seqs], [s.cached for s in seqs], [s.slot for s in seqs],
+                                  device=self.model.device)
         out = self.model(batch, self.cache, capture_layers=self.capture_layers, logits_rows="last")
         tokens = sample_rows(out.logits, seqs)
         events = []
@@ -100,7 +103,7 @@ class Engine:
                 rows = batch.seq_rows(b)
                 # The full-vocabulary log-normaliser of the row that predicts the next token:
                 # trainers need it to turn a draft-vocabulary slice of the logits into probabilities.
-                lse = torch.full((rows.stop - rows.start,), float("nan"))
+                lse = torch.full((rows.stop - rows.start,), float("nan"), device=out.logits.device)
                 lse[-1] = torch.logsumexp(out.logits[b], dim=-1)
                 seq.captured.append((out.features[rows].to(torch.bfloat16), out.hidden[rows].to(torch.bfloat16), lse))
             seq.cached = len(seq.tokens)

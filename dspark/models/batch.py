@@ -5,9 +5,12 @@ causally to everything before them in that slot only.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
+
+from dspark.device import host_values
 
 
 @dataclass
@@ -26,16 +29,23 @@ class VarlenBatch:
             raise ValueError("every sequence in a batch needs at least one new token")
         flat = [int(t) for seq in token_lists for t in seq]
         pos = [s + i for s, n in zip(starts, lens) for i in range(n)]
+        device = torch.device(device)
         return VarlenBatch(
-            tokens=torch.tensor(flat, dtype=torch.long, device=device),
-            positions=torch.tensor(pos, dtype=torch.long, device=device),
+            tokens=host_values(flat, torch.long, device),
+            positions=host_values(pos, torch.long, device),
             slot_list=list(slots) if slots is not None else list(range(len(lens))),
             starts=list(starts), lens=lens,
         )
 
+    def to(self, device) -> "VarlenBatch":
+        """The same batch with its tensors on `device` (itself when already there)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        return VarlenBatch(self.tokens.to(device), self.positions.to(device), self.slot_list, self.starts, self.lens)
+
     def last_rows(self) -> torch.Tensor:
         """Flat row of each sequence's last new token (where next-token logits come from)."""
-        return torch.tensor(self.lens).cumsum(0) - 1
+        return host_values([end - 1 for end in itertools.accumulate(self.lens)], torch.long, self.tokens.device)
 
     def seq_rows(self, b: int) -> slice:
         first = sum(self.lens[:b])

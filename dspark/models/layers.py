@@ -27,12 +27,13 @@ class RMSNorm(nn.Module):
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:
     """One nn.Linear whose output is the given ones' outputs concatenated (same input)."""
     first = linears[0]
-    fused = nn.Linear(first.in_features, sum(p.out_features for p in linears), bias=first.bias is not None)
+    fused = nn.Linear(first.in_features, sum(p.out_features for p in linears), bias=first.bias is not None,
+                      device=first.weight.device, dtype=first.weight.dtype)
     with torch.no_grad():
         fused.weight.copy_(torch.cat([p.weight for p in linears]))
         if fused.bias is not None:
             fused.bias.copy_(torch.cat([p.bias for p in linears]))
-    return fused.to(first.weight.dtype)
+    return fused
 
 
 class SwiGLU(nn.Module):
@@ -110,8 +111,11 @@ class Rotary(nn.Module):
             self._table_len = length
         return self._cos, self._sin
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self._table(int(positions.max()) + 1 if positions.numel() else 1, positions.device)
+    def cos_sin(self, positions: torch.Tensor, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """length: a bound on positions + 1 when the caller knows it (saves a device->host sync)."""
+        if length is None:
+            length = int(positions.max()) + 1 if positions.numel() else 1
+        cos, sin = self._table(length, positions.device)
         return cos[positions], sin[positions]
 
 

@@ -1,10 +1,12 @@
-"""Serving precision: which matmul kernels the target and the drafters run on this CPU.
+"""Serving precision: which matmul kernels the target and the drafters run on this CPU or GPU.
 
 `fp32` keeps `nn.Linear` (parity with transformers). `bf16` stores weights in bf16 and runs them
 on oneDNN prepacked kernels (AMX where the CPU has it). `int8` stores weights int8 per output
 channel (FBGEMM, VNNI) with activations quantized per row, so a row's result never depends on the
 other rows of its batch. `auto` picks by what the CPU has: bf16 on AMX-BF16, else int8 on
 AVX-512 VNNI / AVX-VNNI, else fp32 (docs/results.md has the measurements behind the rule).
+On CUDA `auto` is bf16 and bf16 is a plain bf16 `nn.Linear` (cuBLAS, tensor cores); int8 is a
+CPU kernel (FBGEMM) and is refused there.
 
 Every kernel here is batch-invariant: the same row gives bit-identical output whatever else is
 in the batch, so a speculative verification pass decides exactly what plain decoding would.
@@ -44,10 +46,14 @@ def add_precision_flag(ap: argparse.ArgumentParser, default: str = "auto") -> No
                          "transformers)")
 
 
-def resolve_precision(name: str) -> str:
-    """A concrete precision for `name` (auto -> what this CPU runs fastest)."""
+def resolve_precision(name: str, device: torch.device | str = "cpu") -> str:
+    """A concrete precision for `name` on `device` (auto -> what it runs fastest)."""
     if name not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
+    if torch.device(device).type == "cuda":
+        if name == "int8":
+            raise ValueError("precision int8 runs on CPU kernels (FBGEMM) only; on cuda use bf16, fp32 or auto")
+        return "bf16" if name == "auto" else name
     if name != "auto":
         return name
     flags = cpu_flags()
@@ -116,6 +122,21 @@ class Bf16Linear(nn.Module):
         return y.float().reshape(*shape[:-1], self.out_features)
 
 
+class CudaBf16Linear(nn.Module):
+    """bf16 weights on the GPU, fp32 in and out: one cuBLAS bf16 matmul (tensor cores), half the
+    weight bytes a decode step reads. The residual stream and the KV cache stay in the model's dtype."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16),
+                                                                  requires_grad=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+
+
 @contextlib.contextmanager
 def _quant_engine(name: str):
     old, torch.backends.quantized.engine = torch.backends.quantized.engine, name
@@ -128,6 +149,10 @@ def _quant_engine(name: str):
 def convert_linear(linear: nn.Linear, precision: str) -> nn.Module:
     if precision == "fp32":
         return linear
+    if linear.weight.is_cuda:
+        if precision == "bf16":
+            return CudaBf16Linear(linear)
+        raise ValueError(f"no CUDA kernel for precision {precision!r}")
     if precision == "int8":
         return Int8Linear(linear)
     if precision == "bf16":
@@ -137,8 +162,10 @@ def convert_linear(linear: nn.Linear, precision: str) -> nn.Module:
 
 def apply_precision(module: nn.Module, precision: str) -> str:
     """Fuse what a module offers to fuse (`fuse_projections`), then put every nn.Linear on the
-    precision's kernels, in place. Returns the concrete precision. Inference only: no gradients."""
-    precision = resolve_precision(precision)
+    precision's kernels, in place. Returns the concrete precision (for the module's device).
+    Inference only: no gradients."""
+    weights = next(module.parameters(), None)
+    precision = resolve_precision(precision, weights.device if weights is not None else "cpu")
     for sub in list(module.modules()):
         if hasattr(sub, "fuse_projections"):
             sub.fuse_projections()

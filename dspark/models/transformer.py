@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.device import host_values
 from dspark.models.batch import VarlenBatch
 from dspark.models.kv_cache import KVCache
 from dspark.models.config import ModelConfig
@@ -76,7 +77,7 @@ def plan_attention(batch: VarlenBatch, cache: KVCache | None, group: int) -> Att
         groups = [] if prefill else row_groups(row, start, n, cache.max_len, group, device)
         seqs.append(SeqAttention(slot, prefill, slice(row, row + n), groups))
         row += n
-    slots = torch.tensor(batch.slot_list, device=device).repeat_interleave(torch.tensor(batch.lens, device=device))
+    slots = host_values([slot for slot, n in zip(batch.slot_list, batch.lens) for _ in range(n)], torch.long, device)
     return AttentionPlan(seqs, slots, batch.positions)
 
 
@@ -215,13 +216,17 @@ class Transformer(nn.Module):
         return self.lm_head.weight if isinstance(self.lm_head, nn.Linear) else self._output_weight
 
     @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
     def new_cache(self, max_slots: int, max_len: int, dtype=None) -> KVCache:
         cfg = self.config
         return KVCache(cfg.num_layers, max_slots, max_len, cfg.num_kv_heads, cfg.head_dim,
-                       dtype=dtype or self.dtype, device=self.model.embed_tokens.weight.device)
+                       dtype=dtype or self.dtype, device=self.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -235,11 +240,11 @@ class Transformer(nn.Module):
         logits_rows: "last" (each sequence's last new token), "all", None, or flat row indices.
         capture_layers: decoder layers whose outputs are returned concatenated (drafter features).
         """
-        if cache is not None:
-            ends = [s + n for s, n in zip(batch.starts, batch.lens)]
-            if max(ends) > cache.max_len:
-                raise ValueError(f"sequence of {max(ends)} tokens exceeds the KV cache length {cache.max_len}")
-        cos, sin = self.rotary.cos_sin(batch.positions)
+        batch = batch.to(self.device)  # callers outside the engines may build on CPU
+        ends = [s + n for s, n in zip(batch.starts, batch.lens)]
+        if cache is not None and max(ends) > cache.max_len:
+            raise ValueError(f"sequence of {max(ends)} tokens exceeds the KV cache length {cache.max_len}")
+        cos, sin = self.rotary.cos_sin(batch.positions, max(ends))
         x = self.model.embed_tokens(batch.tokens)
         rope = rope_tables(cos.to(x.dtype), sin.to(x.dtype))
         captured = {}
@@ -253,7 +258,8 @@ class Transformer(nn.Module):
                 cache.lengths[slot] = end
         hidden = self.model.norm(x)
         if isinstance(logits_rows, str):
-            logits_rows = batch.last_rows() if logits_rows == "last" else torch.arange(hidden.shape[0])
-        logits = self.logits(hidden[logits_rows]) if logits_rows is not None else None
+            logits_rows = batch.last_rows() if logits_rows == "last" else torch.arange(hidden.shape[0],
+                                                                                      device=hidden.device)
+        logits = self.logits(hidden[logits_rows.to(hidden.device)]) if logits_rows is not None else None
         features = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         return ForwardOutput(hidden=hidden, logits=logits, features=features)

@@ -22,7 +22,9 @@ from dspark.sched.prefix_scheduler import admit_top_k, budget_from_survival, pre
 
 def calibrated_survival(conf_logits, temperatures=None) -> np.ndarray:
     """Prefix survivals [R, gamma] from raw confidence logits, through STS temperatures
-    (T = 1 without them)."""
+    (T = 1 without them). A tensor, maybe on a GPU, comes to the host in one copy."""
+    if hasattr(conf_logits, "cpu"):
+        conf_logits = conf_logits.float().cpu().numpy()
     z = np.asarray(conf_logits, dtype=np.float64)
     return prefix_survival(sigmoid(z) if temperatures is None else apply_sts(z, temperatures))
 

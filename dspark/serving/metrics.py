@@ -43,6 +43,14 @@ CALIBRATION_VERSION = Gauge("dspark_calibration_version", "Version of the newest
 CALIBRATION_REPORTS = Counter("dspark_calibration_reports", "Step reports folded into the online calibration")
 
 
+# Verifier and drafter.
+DEVICE = Gauge("dspark_device_info", "1 for the device this service's model runs on", ["service", "device"])
+
+
+def report_device(service: str, device: str) -> None:
+    DEVICE.labels(service, device).set(1)
+
+
 def batch_tokens_bucket(tokens: int) -> str:
     for low, high in ((1, 64), (65, 256), (257, 1024), (1025, 4096)):
         if tokens <= high:

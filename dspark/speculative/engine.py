@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.device import host_values
 from dspark.drafters.contract import DrafterContract
 from dspark.engine.generate import Engine
 from dspark.engine.sequence import Sequence
@@ -116,7 +117,7 @@ class SpecEngine(Engine):
             self.drafter.rollback(seq.req_id, spec.drafter_synced)
         if spec.drafter_synced < seq.cached:
             feats = spec.features(spec.drafter_synced, seq.cached)
-            toks = torch.tensor(seq.tokens[spec.drafter_synced:seq.cached])
+            toks = host_values(seq.tokens[spec.drafter_synced:seq.cached], torch.long, self.model.device)
             self.drafter.extend_context(seq.req_id, feats.float(), toks)
             spec.drafter_synced = seq.cached
 
@@ -135,9 +136,10 @@ class SpecEngine(Engine):
         try:
             for s in seqs:
                 self._sync_drafter(s)
+            device = self.model.device
             block = self.drafter.draft(
-                [s.req_id for s in seqs], torch.tensor([s.tokens[-1] for s in seqs]),
-                torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32),
+                [s.req_id for s in seqs], host_values([s.tokens[-1] for s in seqs], torch.long, device),
+                host_values([s.params.temperature for s in seqs], torch.float32, device),
                 [s.generator for s in seqs])
         except DrafterUnavailable:
             return None, [0] * len(seqs)
@@ -161,44 +163,55 @@ class SpecEngine(Engine):
         admitted = self._admit()
         decoding = [s for s in running]  # requests already past their prefill
         block, lens = self._draft(decoding)
+        # One copy to the host, which also waits for a GPU drafter: its time is counted as drafting.
+        block_tokens = block.tokens.tolist() if block is not None else []
         t_draft = time.perf_counter() - t0
         seqs = admitted + decoding
         if not seqs:
             return []
+        device = self.model.device
         lens = [0] * len(admitted) + list(lens)
-        drafts = [[] for _ in admitted] + [block.tokens[i, :n].tolist() if n else [] for i, n in enumerate(lens[len(admitted):])]
+        drafts = [[] for _ in admitted] + [block_tokens[i][:n] if n else [] for i, n in enumerate(lens[len(admitted):])]
         heads = [s.pending() for s in seqs]  # prompt for new requests, the anchor for the others
-        batch = VarlenBatch.build([h + d for h, d in zip(heads, drafts)], [s.cached for s in seqs], [s.slot for s in seqs])
+        batch = VarlenBatch.build([h + d for h, d in zip(heads, drafts)], [s.cached for s in seqs], [s.slot for s in seqs],
+                                  device=device)
 
         # Logits where a decision is made: each draft position and the bonus position.
         rows, first = [], 0
         for h, n in zip(heads, lens):
             rows.extend(range(first + len(h) - 1, first + len(h) + n))
             first += len(h) + n
-        out = self.model(batch, self.cache, capture_layers=self.capture_layers, logits_rows=torch.tensor(rows))
+        out = self.model(batch, self.cache, capture_layers=self.capture_layers,
+                         logits_rows=host_values(rows, torch.long, device))
 
-        per_row = lambda values: torch.tensor([v for v, n in zip(values, lens) for _ in range(n + 1)])  # noqa: E731
-        probs = logits_to_probs(out.logits, per_row([s.params.temperature for s in seqs]).float(),
-                                per_row([s.params.top_k for s in seqs]).long(),
-                                per_row([s.params.top_p for s in seqs]).float())
-        draft_lens = torch.tensor(lens, dtype=torch.long)
+        per_row = lambda values, dtype: host_values([v for v, n in zip(values, lens) for _ in range(n + 1)],  # noqa: E731
+                                                    dtype, device)
+        probs = logits_to_probs(out.logits, per_row([s.params.temperature for s in seqs], torch.float32),
+                                per_row([s.params.top_k for s in seqs], torch.long),
+                                per_row([s.params.top_p for s in seqs], torch.float32))
+        draft_lens = host_values(lens, torch.long, device)
         if block is not None and sum(lens):
             spec_rows = [(i, j) for i, n in enumerate(lens[len(admitted):]) for j in range(n)]
-            idx_r, idx_j = torch.tensor([r for r, _ in spec_rows]), torch.tensor([j for _, j in spec_rows])
-            draft_tokens = block.tokens[idx_r, idx_j]
-            support_ids, support_probs = block.support_ids[idx_r, idx_j], block.support_probs[idx_r, idx_j]
+            # A remote drafter's block arrives on the host (the wire); an in-process one is already here.
+            idx_r = host_values([r for r, _ in spec_rows], torch.long, block.tokens.device)
+            idx_j = host_values([j for _, j in spec_rows], torch.long, block.tokens.device)
+            draft_tokens = block.tokens[idx_r, idx_j].to(device, non_blocking=True)
+            support_ids = block.support_ids[idx_r, idx_j].to(device, non_blocking=True)
+            support_probs = block.support_probs[idx_r, idx_j].to(device, non_blocking=True)
         else:
-            draft_tokens = torch.empty(0, dtype=torch.long)
-            support_ids, support_probs = torch.empty(0, 1, dtype=torch.long), torch.empty(0, 1)
-        u_acc, u_res = draw_uniforms(draft_lens, [s.generator for s in seqs])
+            draft_tokens = torch.empty(0, dtype=torch.long, device=device)
+            support_ids = torch.empty(0, 1, dtype=torch.long, device=device)
+            support_probs = torch.empty(0, 1, device=device)
+        u_acc, u_res = draw_uniforms(lens, [s.generator for s in seqs], device)
         num_acc, out_tokens = rejection_sample_auto(probs, draft_tokens, support_ids, support_probs,
                                                     draft_lens, u_acc, u_res)
+        num_acc, out_tokens = num_acc.tolist(), out_tokens.tolist()  # tokens out: one copy to the host
 
         report = StepReport(batch_size=len(seqs), batch_tokens=len(batch.tokens), draft_seconds=t_draft,
                             drafted=block is not None)
         events, first = [], 0
         for i, seq in enumerate(seqs):
-            n_acc, n_head = int(num_acc[i]), len(heads[i])
+            n_acc, n_head = num_acc[i], len(heads[i])
             kept = n_head + n_acc  # rows of this pass that are now decided context
             rows_i = slice(first, first + kept)
             first += n_head + lens[i]
@@ -207,7 +220,7 @@ class SpecEngine(Engine):
             seq.cached += kept
             self.cache.rollback(seq.slot, seq.cached)
             new = []
-            for tok in out_tokens[i, : n_acc + 1].tolist():
+            for tok in out_tokens[i][: n_acc + 1]:
                 seq.append(tok, self.eos_ids)
                 new.append(tok)
                 if seq.done:

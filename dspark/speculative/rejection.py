@@ -72,13 +72,19 @@ def rejection_sample(
 
 
 def draw_uniforms(
-    draft_lens: torch.Tensor, generators: list[torch.Generator | None], device: torch.device | str = "cpu"
+    draft_lens: torch.Tensor | list[int], generators: list[torch.Generator | None],
+    device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uniform_accept [D], uniform_residual [R]); request r's l_r + 1 uniforms come from its own generator."""
-    per_request = [rand_from(g, int(n) + 1) for g, n in zip(generators, draft_lens.tolist(), strict=True)]
-    uniform_accept = torch.cat([u[:-1] for u in per_request]) if per_request else torch.empty(0)
-    uniform_residual = torch.stack([u[-1] for u in per_request]) if per_request else torch.empty(0)
-    return uniform_accept.to(device), uniform_residual.to(device)
+    """(uniform_accept [D], uniform_residual [R]) on `device`; request r's l_r + 1 uniforms come
+    from its own (CPU) generator, so seeded draws are the same on every device."""
+    lens = draft_lens.tolist() if isinstance(draft_lens, torch.Tensor) else list(draft_lens)
+    if not lens:
+        return torch.empty(0, device=device), torch.empty(0, device=device)
+    per_request = [rand_from(g, int(n) + 1) for g, n in zip(generators, lens, strict=True)]
+    # One host->device copy for all of them.
+    both = torch.cat([u[:-1] for u in per_request] + [torch.stack([u[-1] for u in per_request])])
+    both = both.to(device, non_blocking=True)
+    return both[:-len(lens)], both[-len(lens):]
 
 
 def rejection_sample_auto(

@@ -12,7 +12,7 @@ import torch
 def slot_validity(anchors: torch.Tensor, loss_mask: torch.Tensor, gamma: int) -> torch.Tensor:
     """[A, gamma] bool: slot k of the block at anchors[i] is supervised."""
     length = loss_mask.shape[0]
-    targets = anchors[:, None] + torch.arange(1, gamma + 1)  # the position slot k predicts
+    targets = anchors[:, None] + torch.arange(1, gamma + 1, device=anchors.device)  # the position slot k predicts
     inside = targets < length
     is_response = loss_mask.bool()[targets.clamp(max=length - 1)] & inside
     return is_response.int().cumprod(dim=1).bool()  # valid while all earlier slots are
@@ -28,7 +28,8 @@ def sample_anchors(loss_mask: torch.Tensor, count: int, generator: torch.Generat
     """Up to `count` distinct anchors drawn uniformly from the candidates, sorted."""
     candidates = candidate_anchors(loss_mask)
     if candidates.numel() > count:
-        candidates = candidates[torch.randperm(candidates.numel(), generator=generator)[:count]]
+        pick = torch.randperm(candidates.numel(), generator=generator)[:count]  # the host generator's draw
+        candidates = candidates[pick.to(candidates.device)]
     return candidates.sort().values
 
 
@@ -36,15 +37,16 @@ def ttt_validity(loss_mask: torch.Tensor, num_steps: int) -> torch.Tensor:
     """EAGLE-3 unrolled rows [num_steps, L-1]: step j at position p predicts the token at p+2;
     supervised when p >= j (its chain starts inside the sequence) and that token is a response token."""
     length = loss_mask.shape[0]
-    p = torch.arange(length - 1)
+    p = torch.arange(length - 1, device=loss_mask.device)
     predicted = p + 2
     response = loss_mask.bool()[predicted.clamp(max=length - 1)] & (predicted < length)
-    return (p[None, :] >= torch.arange(num_steps)[:, None]) & response[None, :]
+    return (p[None, :] >= torch.arange(num_steps, device=loss_mask.device)[:, None]) & response[None, :]
 
 
 def sample_rows(valid: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
     """Up to `count` of the True entries of `valid` as flat indices, drawn uniformly, sorted."""
     rows = torch.nonzero(valid.reshape(-1)).squeeze(1)
     if rows.numel() > count:
-        rows = rows[torch.randperm(rows.numel(), generator=generator)[:count]].sort().values
+        pick = torch.randperm(rows.numel(), generator=generator)[:count]  # the host generator's draw
+        rows = rows[pick.to(rows.device)].sort().values
     return rows

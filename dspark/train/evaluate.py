@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
+from dspark.device import add_device_flag, device_or_exit
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.sampling import SamplingParams
 from dspark.sched.calibration import apply_sts
@@ -95,9 +95,10 @@ def main(argv=None):
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--eval-dir", type=Path, default=EVAL_DIR, help="folder of <dataset>.jsonl eval prompts")
+    add_device_flag(ap)
     args = ap.parse_args(argv)
 
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, device=device_or_exit(args.device, "evaluate"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = {d: [loaded.tokenizer.encode_chat([{"role": "user", "content": p}])

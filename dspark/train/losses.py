@@ -15,9 +15,9 @@ import torch.nn.functional as F
 DEFAULT_MIX = {"ce": 0.1, "tv": 0.9, "conf": 1.0}
 
 
-def slot_weights(gamma: int, decay: float = 4.0) -> torch.Tensor:
+def slot_weights(gamma: int, decay: float = 4.0, device: torch.device | str = "cpu") -> torch.Tensor:
     """w_k = exp(-(k-1)/g) for k = 1..gamma."""
-    return torch.exp(-torch.arange(gamma, dtype=torch.float32) / decay)
+    return torch.exp(-torch.arange(gamma, dtype=torch.float32, device=device) / decay)
 
 
 def weighted_mean(values: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

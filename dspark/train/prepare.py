@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from dspark.device import add_device_flag, device_or_exit
 from dspark.engine.generate import Engine
 from dspark.models.config import spread_layers
 from dspark.models.loader import load_model
@@ -31,10 +32,11 @@ REFERENCE_SAMPLING = dict(temperature=0.7, top_p=0.8, top_k=20)
 
 
 def sequence_record(seq) -> dict[str, torch.Tensor]:
-    """Flatten one finished sequence's captured states; the last token was never fed (zero row)."""
-    feats = torch.cat([f for f, _, _ in seq.captured])
-    hidden = torch.cat([h for _, h, _ in seq.captured])
-    lse = torch.cat([x for _, _, x in seq.captured])
+    """Flatten one finished sequence's captured states; the last token was never fed (zero row).
+    The states leave the model's device here, on their way to disk."""
+    feats = torch.cat([f for f, _, _ in seq.captured]).cpu()
+    hidden = torch.cat([h for _, h, _ in seq.captured]).cpu()
+    lse = torch.cat([x for _, _, x in seq.captured]).cpu()
     n = len(seq.tokens)
     pad = n - feats.shape[0]
     feats = torch.cat([feats, feats.new_zeros(pad, feats.shape[1])])
@@ -67,10 +69,11 @@ def main(argv=None):
     ap.add_argument("--num-ctx-layers", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     add_precision_flag(ap, default="fp32")  # int8/bf16: faster, and that precision's text and states
+    add_device_flag(ap)
     args = ap.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    loaded = load_model(args.model, precision=args.precision)
+    loaded = load_model(args.model, device=device_or_exit(args.device, "prepare"), precision=args.precision)
     model, tok = loaded.model, loaded.tokenizer
     cfg = model.config
     ctx_layers = spread_layers(cfg.num_layers, args.num_ctx_layers)

@@ -13,6 +13,7 @@ RNG + step), drafter/ (the final drafter, docs/drafter_format.md), loss.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import shutil
@@ -23,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from dspark.device import add_device_flag, device_or_exit
 from dspark.drafters import build_drafter
 from dspark.drafters.checkpoint import save_drafter
 from dspark.drafters.config import DrafterConfig
@@ -82,16 +84,17 @@ class TargetLSE:
 
     @torch.no_grad()
     def __call__(self, index: int, seq: Sequence, positions: torch.Tensor) -> torch.Tensor:
+        device = self.lm_head.device
         if seq.target_lse is not None:
-            return seq.target_lse[positions]
+            return seq.target_lse.to(device, non_blocking=True)[positions]
         length = seq.final_hidden.shape[0]
         if index not in self._cache:
-            self._cache[index] = (torch.zeros(length), torch.zeros(-(-length // self.chunk), dtype=torch.bool))
+            self._cache[index] = (torch.zeros(length, device=device), [False] * -(-length // self.chunk))
         values, done = self._cache[index]
         for c in positions.div(self.chunk, rounding_mode="floor").unique().tolist():
             if not done[c]:
                 rows = slice(c * self.chunk, min(length, (c + 1) * self.chunk))
-                values[rows] = torch.logsumexp(seq.final_hidden[rows] @ self.lm_head.T, -1)
+                values[rows] = torch.logsumexp(seq.final_hidden[rows].to(device) @ self.lm_head.T, -1)
                 done[c] = True
         return values[positions]
 
@@ -114,7 +117,7 @@ def _target_rows(drafter, seq: Sequence, lse, positions: torch.Tensor, needed: t
     """
     with torch.no_grad():
         logits = drafter.draft_logits(seq.final_hidden[positions])
-        row_lse = torch.full(positions.shape, float("inf"))  # rows not needed: p_in = 0
+        row_lse = torch.full(positions.shape, float("inf"), device=positions.device)  # rows not needed: p_in = 0
         row_lse[needed] = lse(positions[needed])
         return losses.target_probs(logits, row_lse)
 
@@ -142,10 +145,10 @@ def sequence_loss(drafter, seq: Sequence, lse, t: dict, budget: int, gen: torch.
         return None
     valid = slot_validity(anchors, seq.loss_mask, gamma)
     logits, conf = drafter.train_forward(seq.features, seq.tokens, anchors)
-    slot_pos = (anchors[:, None] + torch.arange(gamma)).clamp(max=length - 1)  # slot k: hidden of a+k-1
+    slot_pos = (anchors[:, None] + torch.arange(gamma, device=anchors.device)).clamp(max=length - 1)  # hidden of a+k-1
     p_in, mass_out = _target_rows(drafter, seq, lse, slot_pos, valid)
     token_index = drafter.to_draft_index(seq.tokens[(slot_pos + 1).clamp(max=length - 1)])
-    weights = losses.slot_weights(gamma, t["slot_decay"])
+    weights = losses.slot_weights(gamma, t["slot_decay"], device=logits.device)
     if drafter.kind == "dflash":
         return losses.dflash_loss(logits, p_in, mass_out, token_index, valid, weights)
     return losses.dspark_loss(logits, conf, p_in, mass_out, token_index, valid, weights, t["mix"])
@@ -175,7 +178,7 @@ def save_checkpoint(out: Path, step: int, drafter, optimizer, scheduler, keep: i
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(tmp / "model.safetensors"))
+    save_file({k: v.contiguous().cpu() for k, v in drafter.state_dict().items()}, str(tmp / "model.safetensors"))
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "rng": torch.get_rng_state(), "step": step}, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
@@ -212,14 +215,22 @@ def _mean_logs(items: list[dict]) -> dict:
     return out
 
 
+def sequence_to(seq: Sequence, device: torch.device) -> Sequence:
+    """One training sequence on the drafter's device (the host->device copy of a step's data)."""
+    return dataclasses.replace(seq, **{f.name: getattr(seq, f.name).to(device, non_blocking=True)
+                                       for f in dataclasses.fields(seq) if getattr(seq, f.name) is not None})
+
+
 def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str | Path, resume: bool = True,
-          target=None, dataset=None, show_progress: bool = True, stop_after: int | None = None) -> dict:
+          target=None, dataset=None, show_progress: bool = True, stop_after: int | None = None,
+          device: torch.device | str = "cpu") -> dict:
     """Train to the step budget (resuming from out_dir's latest checkpoint); return a summary.
 
     target: a dspark Transformer giving the embedding / LM head (default: load config["target"]
     or the dataset's target). dataset: any object with the CachedDataset interface (default:
     CachedDataset(data_dir)). stop_after: end this run (after a checkpoint) once that many steps
-    are done in total, e.g. to time-box a session; a later call resumes.
+    are done in total, e.g. to time-box a session; a later call resumes. device: where the
+    drafter trains (the data stays on the host until its step).
     """
     cfg = load_train_config(config)
     t = cfg["train"]
@@ -236,7 +247,7 @@ def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str |
     draft_vocab = choose_draft_vocab(data.token_counts(dcfg.vocab_size), dcfg.draft_vocab_size) \
         if dcfg.draft_vocab_size else None
     torch.manual_seed(t["seed"])
-    drafter = build_drafter(dcfg, embed, lm_head, draft_vocab).train()
+    drafter = build_drafter(dcfg, embed, lm_head, draft_vocab).to(device).train()
     (out / "config.json").write_text(json.dumps({**cfg, "drafter": dcfg.to_dict()}, indent=2) + "\n")
 
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -271,6 +282,7 @@ def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str |
             index = order(step * batch + b)
             raw = data[index]
             seq, offset = crop(raw, t["max_seq_len"], gen)
+            seq = sequence_to(seq, torch.device(device))
 
             def seq_lse(positions, index=index, raw=raw, offset=offset):
                 return lse(index, raw, positions + offset)
@@ -337,10 +349,11 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    add_device_flag(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    summary = train(args.config, args.data, args.out, resume=not args.no_resume)
+    summary = train(args.config, args.data, args.out, resume=not args.no_resume, device=device_or_exit(args.device, "trainer"))
     print(json.dumps(summary, indent=2))
 
 

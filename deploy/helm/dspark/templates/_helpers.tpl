@@ -149,3 +149,26 @@ livenessProbe:
   readOnly: true
 {{- end }}
 {{- end -}}
+
+{{/*
+--device for a GPU component, checked against the GPUs its pod requests, so values and flags
+agree: a pod that pays for a GPU runs on it, cuda:N stays within the pod's GPUs, and int8 (a CPU
+kernel) is not asked of a GPU.
+*/}}
+{{- define "dspark.deviceArg" -}}
+{{- $device := .ctx.Values.model.device -}}
+{{- $gpus := int (index (.resources.limits | default dict) "nvidia.com/gpu" | default 0) -}}
+{{- if and (gt $gpus 0) (not (hasPrefix "cuda" $device)) -}}
+{{- fail (printf "model.device=%s but the %s requests nvidia.com/gpu=%d: set model.device=cuda" $device .component $gpus) -}}
+{{- end -}}
+{{- if hasPrefix "cuda:" $device -}}
+{{- $index := int (trimPrefix "cuda:" $device) -}}
+{{- if ge $index $gpus -}}
+{{- fail (printf "model.device=%s but the %s requests only nvidia.com/gpu=%d (devices cuda:0..cuda:%d)" $device .component $gpus (sub $gpus 1)) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (hasPrefix "cuda" $device) (eq .ctx.Values.model.precision "int8") -}}
+{{- fail "model.precision=int8 runs on CPU kernels only: use auto, bf16 or fp32 with model.device=cuda" -}}
+{{- end -}}
+--device=$(DSPARK_DEVICE)
+{{- end }}
