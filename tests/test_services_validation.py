@@ -10,7 +10,7 @@ from dspark.proto_gen.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2 as
 from dspark.wire import tensor_to_proto
 from dspark_client import Client, DSparkError, RetryPolicy
 from grpc_health.v1 import health_pb2
-from service_helpers import (health_status, start_drafter, start_scheduler, start_verifier, wait_registered,
+from service_helpers import (AUTH, health_status, internal_channel, start_drafter, start_scheduler, start_verifier, wait_registered,
                              wait_serving, write_tiny_target)
 
 pytestmark = pytest.mark.slow
@@ -61,7 +61,8 @@ BAD = [
 
 @pytest.mark.parametrize("entry", ["scheduler", "verifier"])
 def test_bad_requests_get_the_right_status_and_the_server_keeps_serving(cluster, entry):
-    with Client(cluster[entry], timeout=60, retry=RetryPolicy(max_attempts=1)) as client:
+    metadata = AUTH if entry == "verifier" else ()  # the verifier is internal: it wants the token
+    with Client(cluster[entry], timeout=60, retry=RetryPolicy(max_attempts=1), metadata=metadata) as client:
         assert_serving(client)
         for name, request, code in BAD:
             if entry == "verifier" and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -91,7 +92,7 @@ def _draft_request(width: int, rows: torch.Tensor | None = None, **update) -> dr
 
 
 def test_drafter_rejects_malformed_tensors_without_disturbing_other_streams(cluster):
-    channel = grpc.insecure_channel(cluster["drafter"])
+    channel = internal_channel(cluster["drafter"])
     stub = drafter_pb2_grpc.DrafterStub(channel)
     info = stub.DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=10)
     width = len(info.target_layers) * info.hidden_size
