@@ -16,29 +16,39 @@ def _with_metadata(metadata, token: str) -> list[tuple[str, str]]:
     return [*(metadata or ()), (TOKEN_KEY, token)]
 
 
-class _AioToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+class _AioToken:
     def __init__(self, token: str):
         self.token = token
 
     def _details(self, details):
         return details._replace(metadata=_with_metadata(details.metadata, self.token))
 
+
+# grpc.aio files an interceptor under the first of the four kinds it is, so one class per kind.
+class _AioUnaryUnary(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _AioUnaryStream(_AioToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _AioStreamUnary(_AioToken, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 
+
+class _AioStreamStream(_AioToken, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 
 
 def aio_interceptors(tokens: list[str]) -> list:
-    return [_AioToken(tokens[0])] if tokens else []
+    if not tokens:
+        return []
+    return [kind(tokens[0]) for kind in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)]
 
 
 class _CallDetails(collections.namedtuple("_CallDetails", "method timeout metadata credentials wait_for_ready compression"),
