@@ -201,10 +201,15 @@ class RedisServer:
 class StreamThread:
     """One generate_stream call consumed in a thread, so a test can act while tokens flow."""
 
-    def __init__(self, address: str, **request):
+    def __init__(self, address: str, retry=None, **request):
+        """address: a scheduler (public), or a verifier (the token goes along); several
+        comma-separated scheduler replicas with a `retry` policy resume a broken stream."""
         import threading
 
+        from dspark_client import RetryPolicy
+
         self.address, self.request = address, request
+        self.retry = retry or RetryPolicy(max_attempts=1)
         self.chunks, self.error = [], None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -213,7 +218,7 @@ class StreamThread:
         from dspark_client import Client, RetryPolicy
 
         try:
-            with Client(self.address, timeout=300, retry=RetryPolicy(max_attempts=1)) as client:
+            with Client(self.address, timeout=300, retry=self.retry, metadata=AUTH) as client:
                 for chunk in client.generate_stream(**self.request):
                     self.chunks.append(chunk)
         except Exception as error:  # reported by result()
