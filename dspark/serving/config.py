@@ -90,6 +90,11 @@ def internal_tokens() -> list[str]:
     return [t.strip() for t in str(env("DSPARK_INTERNAL_TOKEN", "")).split(",") if t.strip()]
 
 
+def bind_address(host: str, port: int) -> str:
+    """host:port, with an IPv6 address in brackets (a pod's IP may be one)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def is_loopback(host: str) -> bool:
     return host.strip("[]") in ("127.0.0.1", "::1", "localhost")
 

@@ -59,12 +59,12 @@ class GrpcApp:
         self.server = self._server(self.services, self.internal, self.args.port)
         if self.internal_services:
             self.internal_server = self._server(self.internal_services, True, self.internal_port)
-        address = f"{self.args.host}:{self.args.port}"
+        address = config.bind_address(self.args.host, self.args.port)
         if self.args.health_port:
             self.health_server = grpc.aio.server()
             self.health.append(HealthServicer())
             health_pb2_grpc.add_HealthServicer_to_server(self.health[1], self.health_server)
-            self.health_server.add_insecure_port(f"{self.args.host}:{self.args.health_port}")
+            self.health_server.add_insecure_port(config.bind_address(self.args.host, self.args.health_port))
             await self.health_server.start()
         await self._set_status(NOT_SERVING)
         await self.server.start()
@@ -95,7 +95,7 @@ class GrpcApp:
         health_pb2_grpc.add_HealthServicer_to_server(self.health[0], server)
         if getattr(self.args, "reflection", False):
             reflection.enable_server_reflection(names, server)
-        address = f"{self.args.host}:{port}"
+        address = config.bind_address(self.args.host, port)
         creds = config.server_credentials()
         bound = server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
         if not bound:
