@@ -43,8 +43,10 @@ def decode_updates(request: drafter_pb2.DraftRequest, width: int, limits: Limits
     """Check every sequence before anything changes; raises WireError (-> INVALID_ARGUMENT).
 
     Returns (update, hidden [n, width] or None) for each sequence that is not a release."""
-    if len(request.sequences) > limits.max_batch:
-        raise WireError(f"{len(request.sequences)} sequences in one DraftRequest; at most {limits.max_batch}")
+    drafting = sum(1 for u in request.sequences if not u.release)
+    if drafting > limits.max_batch or len(request.sequences) > limits.max_batch + limits.max_contexts:
+        raise WireError(f"{drafting} sequences to draft ({len(request.sequences)} with releases) in one "
+                        f"DraftRequest; at most {limits.max_batch} (+ {limits.max_contexts} releases)")
     seen, out = set(), []
     for update in request.sequences:
         if not update.request_id:
