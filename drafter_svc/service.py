@@ -98,7 +98,7 @@ def record_draft_spans(request, response, stream: int, started_ns: int, ended_ns
             continue
         span = tracing.tracer().start_span(
             "drafter.draft", context=tracing.context_from(update.trace_context), start_time=started_ns,
-            attributes={"dspark.request_id": update.request_id, "dspark.draft.call": f"{stream}:{request.step}",
+            attributes={"dspark.job_id": update.request_id, "dspark.draft.call": f"{stream}:{request.step}",
                         "dspark.draft.batch_size": len(drafted), "dspark.draft.context_tokens": len(update.tokens),
                         "dspark.draft.context_missing": update.request_id in missing})
         span.end(end_time=ended_ns)
