@@ -183,7 +183,8 @@ def main(argv=None) -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="concurrency-bench-"))
     print(f"{args.model}, drafter {checkpoint}, {args.max_tokens} tokens per request, greedy, "
           f"{args.requests_per_client} requests per client; service logs in {log_dir}", flush=True)
-    drafter, d_addr = start_drafter(args.model, log_dir, checkpoint=checkpoint, gamma=7, num_layers=2)
+    drafter, d_addr = start_drafter(args.model, log_dir, checkpoint=checkpoint, gamma=7, num_layers=2,
+                                    max_batch=max(args.concurrency))
     services, stacks = [drafter], {}
     try:
         wait_serving(d_addr, drafter, timeout=900)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import secrets
 import sys
 import tempfile
 import time
@@ -75,16 +76,19 @@ def start_services(concurrency: int, log_dir: Path):
     from dspark.local import free_port, start, wait_all
     from dspark.models.loader import DEFAULT_MODEL
 
-    ports = {name: free_port() for name in ("drafter_svc", "verifier_svc", "scheduler_svc", "gateway_svc")}
+    ports = {name: free_port() for name in ("drafter_svc", "verifier_svc", "scheduler_svc", "scheduler_internal",
+                                            "gateway_svc")}
     addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+    token = secrets.token_urlsafe(24)  # the internal plane's shared secret, as dspark.local makes one
     procs = {
-        "drafter_svc": start("drafter_svc", [f"--port={ports['drafter_svc']}",
-                                             f"--checkpoint={default_drafter_dir(DEFAULT_MODEL) or ''}"], log_dir),
+        "drafter_svc": start("drafter_svc", [f"--port={ports['drafter_svc']}", f"--max-batch={concurrency}",
+                                             f"--checkpoint={default_drafter_dir(DEFAULT_MODEL) or ''}"], log_dir, token),
         "scheduler_svc": start("scheduler_svc", [f"--port={ports['scheduler_svc']}", "--redis-url=",
-                                                 f"--verifiers={addr['verifier_svc']}"], log_dir),
+                                                 f"--internal-port={ports['scheduler_internal']}",
+                                                 f"--verifiers={addr['verifier_svc']}"], log_dir, token),
         "verifier_svc": start("verifier_svc", [f"--port={ports['verifier_svc']}", f"--drafter-addr={addr['drafter_svc']}",
-                                               f"--scheduler-addr={addr['scheduler_svc']}",
-                                               f"--max-batch={concurrency}"], log_dir),
+                                               f"--scheduler-addr={addr['scheduler_internal']}",
+                                               f"--max-batch={concurrency}"], log_dir, token),
     }
     wait_all({n: (p, addr[n]) for n, p in procs.items()}, timeout=600, log_dir=log_dir)
     procs["gateway_svc"] = start("gateway_svc", [f"--port={ports['gateway_svc']}", "--host=127.0.0.1",

@@ -39,10 +39,25 @@ def parse_args(argv=None):
     ap.add_argument("--gamma", type=int, default=7, help="block size of a random drafter")
     ap.add_argument("--num-layers", type=int, default=2, help="decoder layers of a random drafter")
     ap.add_argument("--seed", type=int, default=0, help="initialisation seed of a random drafter")
+    ap.add_argument("--max-batch", type=int, default=int(env("DSPARK_MAX_BATCH", 16)),
+                    help="sequences in one draft call (the verifiers' running batch)")
+    ap.add_argument("--max-len", type=int, default=int(env("DSPARK_MAX_LEN", 2048)),
+                    help="context positions of one sequence (the verifiers' --max-len)")
+    ap.add_argument("--max-contexts-per-stream", type=int, default=int(env("DSPARK_MAX_CONTEXTS_PER_STREAM", 0)),
+                    help="contexts one verifier stream may hold; least recently used evicted past it (0 = 2 x --max-batch)")
     add_precision_flag(ap)
     add_device_flag(ap)
-    ap.set_defaults(max_message_mb=float(env("DSPARK_MAX_MESSAGE_MB", 256)))  # hidden-state batches are big
-    return ap.parse_args(argv)
+    ap.set_defaults(max_message_mb=0.0)  # 0 = derived from the limits above (see message_mb)
+    args = ap.parse_args(argv)
+    args.max_contexts_per_stream = max(args.max_contexts_per_stream or 2 * args.max_batch, args.max_batch)
+    return args
+
+
+def message_mb(max_batch: int, max_len: int, width: int, itemsize: int = 2) -> float:
+    """The largest DraftRequest a verifier within the limits sends: every sequence of a full batch
+    with its whole context in one call (all prefilled in the same step), bf16 rows as verifiers
+    send them, plus 1 MiB for tokens and framing."""
+    return (max_batch * max_len * width * itemsize) / (1 << 20) + 1
 
 
 def load(args):
@@ -71,10 +86,15 @@ def load(args):
 
 
 async def serve(args) -> None:
-    service = DrafterService()
+    service = DrafterService(args.max_batch, args.max_len, args.max_contexts_per_stream)
+    # Loaded before the port opens: the message limit derives from the drafter's row width.
+    service.drafter, service.target_model = await asyncio.to_thread(load, args)
+    if not args.max_message_mb:
+        args.max_message_mb = message_mb(args.max_batch, args.max_len, service.width)
+    log.info("drafter accepts messages up to %.1f MiB (%d sequences x %d positions), %d contexts per stream",
+             args.max_message_mb, args.max_batch, args.max_len, args.max_contexts_per_stream)
     app = GrpcApp("drafter", args, [(drafter_pb2_grpc.add_DrafterServicer_to_server, service, "dspark.v1.Drafter")])
     await app.start()
-    service.drafter, service.target_model = await asyncio.to_thread(load, args)
     if args.checkpoint and service.drafter.has_confidence:
         service.sts_temperatures = load_calibration(args.checkpoint, service.drafter.version)
     metrics.report_device("drafter", describe(args.device))

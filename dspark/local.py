@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -47,10 +48,13 @@ def serving(address: str) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def start(module: str, flags: list[str], log_dir: Path) -> subprocess.Popen:
+def start(module: str, flags: list[str], log_dir: Path, token: str = "") -> subprocess.Popen:
     log = open(log_dir / f"{module}.log", "w")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if token:  # the internal plane's shared secret (a fresh one per run; the gateway needs none)
+        env["DSPARK_INTERNAL_TOKEN"] = token
     return subprocess.Popen([sys.executable, "-m", module, *flags], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            env=env)
 
 
 def wait_all(procs: dict[str, tuple[subprocess.Popen, str]], timeout: float, log_dir: Path) -> None:
@@ -91,20 +95,22 @@ def main(argv=None) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="dspark-local-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = args.drafter or str(default_drafter_dir(args.model) or "")
-    ports = {name: free_port() for name in ("drafter_svc", "verifier_svc", "scheduler_svc")}
+    ports = {name: free_port() for name in ("drafter_svc", "verifier_svc", "scheduler_svc", "scheduler_internal")}
+    token = secrets.token_urlsafe(24)
     addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
     print(f"starting services (logs in {log_dir}); drafter: {checkpoint or 'random DSpark (no checkpoint found)'}",
           file=sys.stderr)
     procs = {
         "drafter_svc": start("drafter_svc", [f"--port={ports['drafter_svc']}", "--kind=dspark",
                                              f"--checkpoint={checkpoint}", f"--target-model={args.model}",
-                                             f"--precision={args.precision}", f"--device={args.device}"], log_dir),
+                                             f"--precision={args.precision}", f"--device={args.device}"], log_dir, token),
         "scheduler_svc": start("scheduler_svc", [f"--port={ports['scheduler_svc']}", "--redis-url=",
-                                                 f"--verifiers={addr['verifier_svc']}"], log_dir),
+                                                 f"--internal-port={ports['scheduler_internal']}",
+                                                 f"--verifiers={addr['verifier_svc']}"], log_dir, token),
         "verifier_svc": start("verifier_svc", [f"--port={ports['verifier_svc']}", f"--model={args.model}",
                                                f"--drafter-addr={addr['drafter_svc']}",
-                                               f"--scheduler-addr={addr['scheduler_svc']}", "--max-batch=4",
-                                               f"--precision={args.precision}", f"--device={args.device}"], log_dir),
+                                               f"--scheduler-addr={addr['scheduler_internal']}", "--max-batch=4",
+                                               f"--precision={args.precision}", f"--device={args.device}"], log_dir, token),
     }
     try:
         wait_all({n: (p, addr[n]) for n, p in procs.items()}, timeout=600, log_dir=log_dir)

@@ -1,5 +1,9 @@
-"""python -m scheduler_svc --port=50051 --health-port=50060 --metrics-port=9400 --redis-url=redis://HOST:6379/0
+"""python -m scheduler_svc --port=50051 --internal-port=50054 --health-port=50060 --metrics-port=9400
+       --redis-url=redis://HOST:6379/0
        [--verifiers=host:port,...] | [--discovery=kubernetes --namespace=NS --verifier-selector=LABELS] --verifier-port=50052
+
+--port serves the public Generation service; --internal-port the verifiers' Scheduler service
+(authenticated: DSPARK_INTERNAL_TOKEN or mutual TLS). Replicas may share one Redis.
 
 Without --redis-url the state lives in this process (MemoryStore: local mode, tests).
 Verifiers are used once they register and heartbeat; discovery (a static list or Kubernetes
@@ -27,7 +31,14 @@ log = logging.getLogger("scheduler_svc")
 
 def parse_args(argv=None):
     ap = common_parser(__doc__, port=50051)
+    ap.add_argument("--internal-port", type=int, default=int(env("DSPARK_INTERNAL_PORT", 50054)),
+                    help="port of the internal Scheduler service (verifiers register and report here)")
     ap.add_argument("--redis-url", default=env("DSPARK_REDIS_URL", ""), help="empty = in-process store")
+    ap.add_argument("--redis-max-connections", type=int, default=int(env("DSPARK_REDIS_MAX_CONNECTIONS", 32)),
+                    help="one pool for all of this replica's Redis calls; when all are busy, calls wait for one")
+    ap.add_argument("--verifier-address-check", choices=["on", "off"],
+                    default=env("DSPARK_VERIFIER_ADDRESS_CHECK", "on"),
+                    help="on: a verifier's advertised IP must be the IP it calls from (off behind proxies/meshes)")
     ap.add_argument("--verifiers", default=env("DSPARK_VERIFIERS", ""), help="static list host:port,host:port")
     ap.add_argument("--discovery", default=env("DSPARK_DISCOVERY", "static"), choices=["static", "kubernetes"])
     ap.add_argument("--namespace", default=env("POD_NAMESPACE", "default"))
@@ -71,15 +82,18 @@ async def refresh_loop(registry: Registry, interval_s: float = 0.5) -> None:
 
 
 async def serve(args) -> None:
-    store = make_store(args.redis_url)
+    store = make_store(args.redis_url, args.redis_max_connections)
     registry = Registry(store, ttl_s=args.heartbeat_ttl_s)
     router = Router(registry, args.max_message_mb, args.queue_timeout_s)
     calibrator = OnlineCalibrator(make_calibration_store(store), args.calibration_refit_reports,
                                   args.calibration_refit_s, args.calibration_min_samples)
+    scheduler = SchedulerService(registry, BudgetPlanner(), calibrator,
+                                 address_check=args.verifier_address_check == "on")
     app = GrpcApp("scheduler", args, [
         (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(router), "dspark.v1.Generation"),
-        (scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerService(registry, BudgetPlanner(), calibrator), "dspark.v1.Scheduler"),
-    ])
+    ], internal=False, internal_services=[
+        (scheduler_pb2_grpc.add_SchedulerServicer_to_server, scheduler, "dspark.v1.Scheduler"),
+    ], internal_port=args.internal_port)
     await app.start()
     stop = threading.Event()
     start_discovery(args, registry, stop)

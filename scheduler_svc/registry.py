@@ -100,6 +100,10 @@ class Registry:
             out.append(r)
         return out
 
+    def is_live(self, record: dict) -> bool:
+        """Heartbeat fresh (whether or not a broken stream marked it dead for a while)."""
+        return time.time() - record.get("heartbeat", 0) <= self.ttl_s
+
     def choose(self) -> str | None:
         return choose(self.live(), self.inflight)
 

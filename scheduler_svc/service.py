@@ -20,11 +20,13 @@ from dspark.proto_gen.v1 import (generation_pb2 as pb, generation_pb2_grpc, load
                                  verifier_pb2, verifier_pb2_grpc)
 from dspark.serving import metrics, tracing
 from dspark.serving.config import aio_channel
+from dspark.serving.guard import caller_identity
 from dspark.serving.requests import RequestError, check_request
 from dspark.wire import WireError, tensor_from_proto
 from scheduler_svc.budget_planner import BudgetPlanner
 from scheduler_svc.online_calibration import OnlineCalibrator
 from scheduler_svc.registry import Registry
+from scheduler_svc.verifier_binding import caller_refusal, peer_host, registration_refusal
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +103,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except RequestError as error:
             await context.abort(error.code, error.message)
         request = pb.GenerateRequest.FromString(request.SerializeToString())
-        request.request_id = request.request_id or uuid.uuid4().hex
-        span.set_attribute("dspark.request_id", request.request_id)
-        streamed: list[int] = []
-        text: list[str] = []
+        job_id = uuid.uuid4().hex  # ours; the client's request_id is for tracing only and may repeat
+        request.request_id = request.request_id or job_id
+        span.set_attributes({"dspark.request_id": request.request_id, "dspark.job_id": job_id})
+        # A client's retry on this replica of a stream that broke elsewhere: go on after its tokens.
+        streamed: list[int] = list(request.resume.streamed_token_ids)
+        text: list[str] = [request.resume.streamed_text] if request.HasField("resume") else []
+        request.ClearField("resume")
         lost = 0
         while True:
-            address = await self.router.acquire(request.request_id)
+            address = await self.router.acquire(job_id)
             if address is None:
                 if streamed:  # the client has part of the answer: end it cleanly, do not break the stream
                     yield pb.GenerateChunk(request_id=request.request_id, offset=len(streamed),
@@ -116,7 +121,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     return
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier available (all busy or none live)")
             routed = verifier_pb2.RoutedGenerateRequest(request=request)
-            if lost:
+            if streamed or lost:
                 routed.resume.streamed_token_ids.extend(streamed)
                 routed.resume.streamed_text = "".join(text)
             span.set_attribute("dspark.verifier", address)
@@ -190,8 +195,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     """Verifiers report here. Answers come back at once: the store is written in the background."""
 
     def __init__(self, registry: Registry, planner: BudgetPlanner | None = None,
-                 calibrator: OnlineCalibrator | None = None):
-        self.registry = registry
+                 calibrator: OnlineCalibrator | None = None, address_check: bool = True):
+        self.registry, self.address_check = registry, address_check
         self.planner = planner or BudgetPlanner()
         self.calibrator = calibrator
         self.priors: dict[str, np.ndarray] = {}  # drafter version -> its shipped STS temperatures
@@ -223,10 +228,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sts_temperatures: {error}")
             if not np.all(prior > 0):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sts_temperatures must be positive")
+        identity, peer = caller_identity(context), peer_host(context.peer())
+        existing = self.registry.by_id(request.load.verifier_id)
+        refusal = registration_refusal(existing, existing is not None and self.registry.is_live(existing),
+                                       request.address, identity, peer, self.address_check)
+        if refusal:
+            log.warning("registration of %r at %s from %s refused: %s", request.load.verifier_id, request.address,
+                        context.peer(), refusal)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        if request.HasField("sts_temperatures"):
             self.priors[request.drafter_version] = prior
         record = record_from_load(request.load)
         record.update(address=request.address, model=request.model or record["model"],
-                      drafter_kind=request.drafter_kind, drafter_version=request.drafter_version, gamma=request.gamma)
+                      drafter_kind=request.drafter_kind, drafter_version=request.drafter_version, gamma=request.gamma,
+                      identity=identity, peer=peer)
         self.registry.revive(request.address)
         self.registry.heartbeat(record)
         self.planner.forget(record["verifier_id"])
@@ -237,10 +252,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         known = self.registry.by_id(request.load.verifier_id)
         if known is None:  # we lost it (restart with an empty store): make it register again
             await context.abort(grpc.StatusCode.NOT_FOUND, "unknown verifier: register first")
+        await self._check_caller(known, context)
         self.registry.heartbeat(dict(known, **record_from_load(request.load)))
         return self._decision(request.load.verifier_id)
 
+    async def _check_caller(self, record: dict, context) -> None:
+        refusal = caller_refusal(record, caller_identity(context), peer_host(context.peer()))
+        if refusal:
+            log.warning("call from %s for verifier %r refused: %s", context.peer(), record.get("verifier_id"), refusal)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+
     async def ReportStep(self, request, context):
+        known = self.registry.by_id(request.verifier_id)
+        if known is not None:  # unknown = registered at another replica moments ago: not ours to judge yet
+            await self._check_caller(known, context)
+        known = known or {}
         if request.verified_len:
             counts = {"steps": 1, "drafts": len(request.verified_len), "verified": sum(request.verified_len),
                       "accepted": sum(request.accepted_len)}
@@ -252,7 +278,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"confidence_logits: {error}")
             if self.calibrator is not None and request.drafter_version and request.verified_len:
                 self.calibrator.add(request.drafter_version, conf, request.accepted_len, request.verified_len)
-            known = self.registry.by_id(request.verifier_id) or {}
             self.planner.on_report(request.verifier_id, request.step, conf,
                                    self._temperatures(request.drafter_version), known.get("sps", []),
                                    known.get("draft_cost", []))

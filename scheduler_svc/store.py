@@ -65,10 +65,14 @@ class MemoryStore:
 
 
 class RedisStore:
-    def __init__(self, url: str, timeout_s: float = 0.5):
+    def __init__(self, url: str, timeout_s: float = 0.5, max_connections: int = 32):
         # No retries inside redis-py: a dead Redis must fail fast, the scheduler has its own fallback.
-        self.redis = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                       retry=Retry(NoBackoff(), 0), decode_responses=True)
+        # One bounded pool for every call of this replica; a burst waits for a free connection
+        # (up to timeout_s) instead of opening connections until Redis or redis-py refuses.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0), decode_responses=True)
+        self.redis = aioredis.Redis(connection_pool=pool)
 
     async def put_verifier(self, verifier_id: str, record: dict, ttl_s: float) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -106,7 +110,8 @@ class RedisStore:
 
     async def close(self) -> None:
         await self.redis.aclose()
+        await self.redis.connection_pool.disconnect()
 
 
-def make_store(redis_url: str):
-    return RedisStore(redis_url) if redis_url else MemoryStore()
+def make_store(redis_url: str, max_connections: int = 32):
+    return RedisStore(redis_url, max_connections=max_connections) if redis_url else MemoryStore()

@@ -13,6 +13,23 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
+# Every service the tests start authenticates its internal plane with this token (as the chart
+# does with its Secret); tests that call an internal service directly send AUTH.
+TOKEN = "test-internal-token"
+AUTH = (("dspark-internal-token", TOKEN),)
+_internal: dict[str, str] = {}  # scheduler public address -> its internal (Scheduler service) address
+
+
+def internal_address(scheduler: str) -> str:
+    """Where verifiers register with the scheduler started at `scheduler` (its public address)."""
+    return _internal.get(scheduler, scheduler)
+
+
+def internal_channel(address: str) -> grpc.Channel:
+    """A plaintext channel that sends the test token on every call."""
+    from dspark.serving.token_metadata import with_token
+
+    return with_token(grpc.insecure_channel(address), [TOKEN])
 
 
 def free_port() -> int:
@@ -43,7 +60,8 @@ class Service:
         self.module, self.args = module, args
         self.name = name or module
         self.log_path = log_dir / f"{self.name}-{int(time.time() * 1000) % 10**8}.log"
-        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", DSPARK_INTERNAL_TOKEN=os.environ.get("DSPARK_INTERNAL_TOKEN", TOKEN),
+                        **(env or {}))
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=full_env,
                                      stdout=self._log, stderr=subprocess.STDOUT)
@@ -107,6 +125,7 @@ def start_drafter(target: str, log_dir: Path, port: int | None = None, **flags) 
 def start_verifier(target: str, log_dir: Path, drafter: str, scheduler: str = "", port: int | None = None,
                    **flags) -> tuple[Service, str]:
     port = port or free_port()
+    scheduler = ",".join(internal_address(s) for s in scheduler.split(",") if s)
     args = [f"--port={port}", f"--model={target}", f"--drafter-addr={drafter}", f"--scheduler-addr={scheduler}",
             f"--verifier-id=verifier-{port}", "--max-batch=16", "--max-len=1024", "--grace-s=5",
             "--drafter-timeout-s=1"]
@@ -115,10 +134,13 @@ def start_verifier(target: str, log_dir: Path, drafter: str, scheduler: str = ""
 
 
 def start_scheduler(log_dir: Path, verifiers: list[str], redis_url: str = "", port: int | None = None,
-                    **flags) -> tuple[Service, str]:
-    port = port or free_port()
-    args = [f"--port={port}", f"--redis-url={redis_url}", f"--verifiers={','.join(verifiers)}", "--grace-s=5"]
+                    internal_port: int | None = None, **flags) -> tuple[Service, str]:
+    """Returns the public address; internal_address() of it is where verifiers register."""
+    port, internal_port = port or free_port(), internal_port or free_port()
+    args = [f"--port={port}", f"--internal-port={internal_port}", f"--redis-url={redis_url}",
+            f"--verifiers={','.join(verifiers)}", "--grace-s=5"]
     args += [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
+    _internal[f"127.0.0.1:{port}"] = f"127.0.0.1:{internal_port}"
     return Service("scheduler_svc", args, log_dir, f"scheduler-{port}"), f"127.0.0.1:{port}"
 
 
@@ -179,10 +201,15 @@ class RedisServer:
 class StreamThread:
     """One generate_stream call consumed in a thread, so a test can act while tokens flow."""
 
-    def __init__(self, address: str, **request):
+    def __init__(self, address: str, retry=None, **request):
+        """address: a scheduler (public), or a verifier (the token goes along); several
+        comma-separated scheduler replicas with a `retry` policy resume a broken stream."""
         import threading
 
+        from dspark_client import RetryPolicy
+
         self.address, self.request = address, request
+        self.retry = retry or RetryPolicy(max_attempts=1)
         self.chunks, self.error = [], None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -191,7 +218,7 @@ class StreamThread:
         from dspark_client import Client, RetryPolicy
 
         try:
-            with Client(self.address, timeout=300, retry=RetryPolicy(max_attempts=1)) as client:
+            with Client(self.address, timeout=300, retry=self.retry, metadata=AUTH) as client:
                 for chunk in client.generate_stream(**self.request):
                     self.chunks.append(chunk)
         except Exception as error:  # reported by result()

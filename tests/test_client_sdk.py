@@ -222,6 +222,27 @@ async def test_unavailable_after_a_token_is_not_retried():
     assert fake.calls == 1
 
 
+async def test_with_replicas_a_broken_stream_resumes_on_the_next_after_its_last_token():
+    broken, healthy = FakeGeneration(break_after=2), FakeGeneration()
+    async with serving(broken) as first, serving(healthy) as second:
+        async with AsyncClient([first, second], retry=FAST_RETRY) as client:
+            chunks = [c async for c in client.generate_stream("one two three")]
+        assert [c.text for c in chunks][:2] == ["echo: ", "one "]  # from the first replica
+
+        def sync_stream():  # in a thread: the fake servers run on this event loop
+            with Client(f"{first},{second}", retry=FAST_RETRY) as client:
+                return list(client.generate_stream("one two three"))
+        sync_chunks = await asyncio.to_thread(sync_stream)
+    assert [c.text for c in sync_chunks][:2] == ["echo: ", "one "]
+    # The second replica was asked to go on after what the caller already had.
+    resumed = [r for r in healthy.requests if r.HasField("resume")]
+    assert len(resumed) == 2
+    for request in resumed:
+        assert list(request.resume.streamed_token_ids) == [100, 101]
+        assert request.resume.streamed_text == "echo: one "
+        assert request.text == "one two three"  # the same request otherwise
+
+
 async def test_sync_client_retries_only_before_the_first_token():
     def generate(address, **kwargs):
         with Client(address, retry=FAST_RETRY) as client:

@@ -19,7 +19,7 @@ import pytest
 
 from dspark.models.loader import load_model
 from dspark.proto_gen.v1 import verifier_pb2, verifier_pb2_grpc
-from service_helpers import (RedisServer, StreamThread, free_port, start_drafter, start_scheduler, start_verifier,
+from service_helpers import (RedisServer, internal_channel, StreamThread, free_port, start_drafter, start_scheduler, start_verifier,
                              wait_registered, wait_serving, wait_until, write_tiny_target)
 from spec_helpers import greedy_reference
 
@@ -75,7 +75,7 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def get_load(address: str):
-    with grpc.insecure_channel(address) as channel:
+    with internal_channel(address) as channel:
         return verifier_pb2_grpc.VerifierStub(channel).GetLoad(verifier_pb2.GetLoadRequest(), timeout=10)
 
 

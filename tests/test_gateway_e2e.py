@@ -17,7 +17,7 @@ import pytest
 
 from dspark.proto_gen.v1 import verifier_pb2, verifier_pb2_grpc
 from dspark_client import Client, RetryPolicy
-from service_helpers import (start_drafter, start_gateway, start_scheduler, start_verifier, wait_http_ok,
+from service_helpers import (internal_channel, start_drafter, start_gateway, start_scheduler, start_verifier, wait_http_ok,
                              wait_registered, wait_serving, wait_until, write_tiny_target)
 
 pytestmark = pytest.mark.slow
@@ -242,7 +242,7 @@ def test_upstream_refusals_and_limits_become_http_errors(cluster, api):
 
 
 def running_on_verifier(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
+    with internal_channel(address) as channel:
         return verifier_pb2_grpc.VerifierStub(channel).GetLoad(verifier_pb2.GetLoadRequest(), timeout=5).running
 
 

@@ -150,7 +150,7 @@ def test_probes_security_and_gpus(helm, values):
     _, verifier = container(docs, "verifier")
     assert verifier["command"] == ["python", "-m", "verifier_svc"]
     assert f"--drafter-addr={RELEASE}-dspark-drafter:50053" in verifier["args"]
-    assert f"--scheduler-addr={RELEASE}-dspark-scheduler:50051" in verifier["args"]
+    assert f"--scheduler-addr={RELEASE}-dspark-scheduler:50054" in verifier["args"]  # the internal port
     _, scheduler = container(docs, "scheduler")
     assert "--discovery=kubernetes" in scheduler["args"]
     assert (f"--verifier-selector=app.kubernetes.io/instance={RELEASE},"
@@ -178,11 +178,39 @@ def test_network_policies(helm):
         assert policy["spec"]["policyTypes"] == ["Ingress"]
     assert ingress_sources(policies[name("gateway")], 8000) is None  # the entry point
     assert ingress_sources(policies[name("scheduler")], 50051) == ["gateway"]  # only through the gateway
+    assert ingress_sources(policies[name("scheduler")], 50054) == ["verifier"]  # the internal Scheduler service
     assert ingress_sources(policies[name("verifier")], 50052) == ["scheduler"]
     assert ingress_sources(policies[name("drafter")], 50053) == ["verifier"]
     assert ingress_sources(policies[name("redis")], 6379) == ["scheduler", "verifier"]
     # Nothing else opens the GPU services' gRPC ports.
     assert ingress_sources(policies[name("drafter")], 50052) == []
+
+
+def test_internal_plane_token_from_a_secret_and_pod_addresses(helm):
+    docs = render(helm)
+    secret = by_kind(docs, "Secret")[f"{RELEASE}-dspark-internal-auth"]
+    assert len(secret["data"]["internal-token"]) >= 48  # random, base64
+    for component in ("verifier", "drafter", "scheduler"):
+        _, c = container(docs, component)
+        env = {e["name"]: e for e in c["env"]}
+        assert env["DSPARK_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": f"{RELEASE}-dspark-internal-auth", "key": "internal-token"}
+        assert env["DSPARK_HOST"]["value"] == "$(POD_IP)"
+        names = [e["name"] for e in c["env"]]
+        assert names.index("POD_IP") < names.index("DSPARK_HOST")  # defined first, so $(POD_IP) expands
+    _, gateway = container(docs, "gateway")
+    assert "DSPARK_INTERNAL_TOKEN" not in {e["name"] for e in gateway["env"]}  # public side only
+    _, scheduler = container(docs, "scheduler")
+    assert "--internal-port=50054" in scheduler["args"]
+    _, verifier = container(docs, "verifier")
+    assert f"--scheduler-addr={RELEASE}-dspark-scheduler:50054" in verifier["args"]
+    ports = by_kind(docs, "Service")[f"{RELEASE}-dspark-scheduler"]["spec"]["ports"]
+    assert {p["name"]: p["port"] for p in ports}["grpc-internal"] == 50054
+    own = render(helm, "--set", "internalAuth.existingSecret=mine", "--set", "internalAuth.secretKey=tok")
+    assert f"{RELEASE}-dspark-internal-auth" not in by_kind(own, "Secret")
+    _, c = container(own, "drafter")
+    assert {e["name"]: e for e in c["env"]}["DSPARK_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "mine", "key": "tok"}
 
 
 def test_without_the_gateway_the_scheduler_is_the_entry_point(helm):

@@ -85,6 +85,7 @@ def cluster(tmp_path_factory):
     env.setenv("DSPARK_TLS_CA", str(pki["ca"]))
     env.setenv("DSPARK_TLS_MUTUAL", "1")
     env.setenv("DSPARK_TLS_SERVER_NAME", SERVER_NAME)
+    env.setenv("DSPARK_INTERNAL_TOKEN", "")  # mutual TLS alone authenticates the internal plane here
     health = {name: free_port() for name in ("drafter", "scheduler", "verifier")}
     services = []
     try:
@@ -164,6 +165,21 @@ def test_peer_without_client_certificate_cannot_reach_the_drafter(cluster):
     with grpc.secure_channel(cluster["drafter"], creds, options=options) as channel:
         info = drafter_pb2_grpc.DrafterStub(channel).DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=10)
     assert info.gamma == 4
+
+
+def test_a_public_client_certificate_cannot_call_internal_services(cluster):
+    """Under mutual TLS the internal plane takes only the services' own certificate: a client
+    certificate from the same CA reaches the public Generation service, not the drafter."""
+    from dspark.proto_gen.v1 import drafter_pb2, drafter_pb2_grpc
+
+    pki = cluster["pki"]
+    creds = grpc.ssl_channel_credentials(pki["ca"].read_bytes(), pki["client_key"].read_bytes(),
+                                         pki["client_cert"].read_bytes())
+    options = [("grpc.ssl_target_name_override", SERVER_NAME)]
+    with grpc.secure_channel(cluster["drafter"], creds, options=options) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            drafter_pb2_grpc.DrafterStub(channel).DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
 def test_tls_settings_are_checked_and_flags_win(tmp_path, monkeypatch):

@@ -158,7 +158,8 @@ def test_one_trace_across_client_scheduler_verifier_drafter(cluster, collector):
     for d in drafts:
         step = step_by_id[d["parent_id"]]
         assert step["start_time"] <= d["start_time"] <= d["end_time"] <= step["end_time"]
-        assert d["attributes"]["dspark.request_id"] == result.request_id
+        # The drafter knows the verifier's own id of the job (never the client's request_id).
+        assert d["attributes"]["dspark.job_id"] == ver["attributes"]["dspark.job_id"]
         assert d["attributes"]["dspark.draft.batch_size"] == 1
 
     # The same trace went out over OTLP from all three services.

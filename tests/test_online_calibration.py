@@ -22,7 +22,8 @@ from dspark.sched.metrics import per_position_calibration
 from scheduler_svc.calibration_store import bins_key, sts_key
 from dspark.sched.verify_budget import verify_budget
 from scheduler_svc.budget_planner import seconds_table
-from service_helpers import RedisServer, free_port, start_scheduler, wait_serving, wait_until
+from service_helpers import (RedisServer, free_port, internal_address, internal_channel, start_scheduler, wait_serving,
+                             wait_until)
 from test_calibration import GAMMA, overconfident_traffic
 
 pytestmark = pytest.mark.slow
@@ -103,7 +104,7 @@ def gauge(text: str, name: str, **labels) -> float | None:
 def test_online_sts_through_redis_matches_offline_fit(schedulers, redis_server):
     logits, accepted_len, verified_len = overconfident_traffic(seed=3, num=12000)
     logits = logits.astype(np.float32).astype(np.float64)  # what travels: f32
-    channels = [grpc.insecure_channel(address) for address, _ in schedulers]
+    channels = [internal_channel(internal_address(address)) for address, _ in schedulers]
     stubs = [scheduler_pb2_grpc.SchedulerStub(c) for c in channels]
     try:
         for i, stub in enumerate(stubs):
@@ -194,7 +195,7 @@ def test_online_sts_through_redis_matches_offline_fit(schedulers, redis_server):
 
 
 def test_malformed_confidences_are_refused(schedulers):
-    with grpc.insecure_channel(schedulers[0][0]) as channel:
+    with internal_channel(internal_address(schedulers[0][0])) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         register(stub, "synthetic-bad")
         bad = report("synthetic-bad", 1, np.zeros((3, GAMMA)), [0, 0, 0], [1, 1, 1])
@@ -220,7 +221,7 @@ def test_shipped_temperatures_are_the_prior_until_an_online_fit(schedulers):
 
     prior = np.full(GAMMA, 4.0)  # very soft: confident raw logits count for much less
     logits = np.full((4, GAMMA), 2.0)
-    with grpc.insecure_channel(schedulers[0][0]) as channel:
+    with internal_channel(internal_address(schedulers[0][0])) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         stub.RegisterVerifier(registration("synthetic-prior", prior), timeout=RPC_S)
         step = report("synthetic-prior", 1, logits, [0] * 4, [0] * 4)

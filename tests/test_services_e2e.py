@@ -8,7 +8,7 @@ import pytest
 from dspark.engine.generate import Engine
 from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams
-from service_helpers import (StreamThread, start_drafter, start_scheduler, start_verifier, wait_registered,
+from service_helpers import (RedisServer, StreamThread, start_drafter, start_scheduler, start_verifier, wait_registered,
                              wait_serving)
 
 pytestmark = pytest.mark.slow
@@ -21,8 +21,10 @@ MAX_TOKENS = [24 + (i * 7) % 25 for i in range(len(PROMPTS))]  # 24..48, all dif
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
+    # A Redis of its own: on a shared one, verifiers of other runs register and get our requests.
+    redis_server = RedisServer().start()
     drafter, d_addr = start_drafter("smollm2-135m", logs, gamma=7, num_layers=1)
-    scheduler, s_addr = start_scheduler(logs, [], redis_url="redis://127.0.0.1:6379/0")
+    scheduler, s_addr = start_scheduler(logs, [], redis_url=redis_server.url)
     verifier, v_addr = start_verifier("smollm2-135m", logs, d_addr, s_addr, max_len=512, drafter_timeout_s=10)
     try:
         for service, address in ((drafter, d_addr), (scheduler, s_addr), (verifier, v_addr)):
@@ -32,6 +34,7 @@ def cluster(tmp_path_factory):
     finally:
         for service in (verifier, scheduler, drafter):
             service.kill()
+        redis_server.kill()
 
 
 def test_greedy_through_services_equals_plain_greedy_for_16_concurrent_streams(cluster):

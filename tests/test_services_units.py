@@ -1,10 +1,12 @@
 """The plain pieces under the services, in process: text streaming, routing, stores, drafter contexts."""
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 
-from drafter_svc.contexts import answer
+from drafter_svc.contexts import Limits, answer
 from dspark.proto_gen.v1 import drafter_pb2
 from dspark.serving.textstream import TextStream
 from dspark.wire import WireError, tensor_to_proto
@@ -76,19 +78,38 @@ def _update(req, n, ctx, width, anchor=3, **kw):
 def test_drafter_contexts_extend_roll_back_release_and_report_missing():
     drafter = random_drafter(tiny_target(), "dspark", gamma=3)
     width = len(drafter.ctx_layers) * drafter.cfg.hidden_size
-    keys = set()
-    reply = answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=1, sequences=[_update("a", 4, 0, width)]), width)
+    keys = OrderedDict()
+    limits = Limits(drafter.cfg.vocab_size)
+    reply = answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=1, sequences=[_update("a", 4, 0, width)]), width, limits)
     assert reply.step == 1 and len(reply.sequences[0].tokens) == 3 and drafter.context_len("1:a") == 4
     # Roll back 2 rejected positions and append 1: 3 positions.
-    answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=2, sequences=[_update("a", 1, 2, width)]), width)
+    answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=2, sequences=[_update("a", 1, 2, width)]), width, limits)
     assert drafter.context_len("1:a") == 3
     # The same id on another stream is another context; asking past what it holds: context_missing.
-    reply = answer(drafter, 2, set(), drafter_pb2.DraftRequest(step=1, sequences=[_update("a", 1, 3, width)]), width)
+    reply = answer(drafter, 2, OrderedDict(), drafter_pb2.DraftRequest(step=1, sequences=[_update("a", 1, 3, width)]), width, limits)
     assert reply.sequences[0].context_missing
     answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=3, sequences=[
-        drafter_pb2.SequenceUpdate(request_id="a", release=True)]), width)
+        drafter_pb2.SequenceUpdate(request_id="a", release=True)]), width, limits)
     assert drafter.context_len("1:a") == 0 and not keys
     with pytest.raises(WireError):  # a bad sequence rejects the whole request before anything changes
         answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=4, sequences=[
-            _update("b", 2, 0, width), _update("c", 2, 0, width + 1)]), width)
+            _update("b", 2, 0, width), _update("c", 2, 0, width + 1)]), width, limits)
     assert drafter.context_len("1:b") == 0
+
+
+def test_drafter_stream_evicts_its_least_recently_used_context_past_the_limit():
+    drafter = random_drafter(tiny_target(), "dspark", gamma=3)
+    width = len(drafter.ctx_layers) * drafter.cfg.hidden_size
+    keys, limits = OrderedDict(), Limits(drafter.cfg.vocab_size, max_batch=2, max_contexts=2)
+    for req in ("a", "b"):
+        answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=1, sequences=[_update(req, 2, 0, width)]), width, limits)
+    answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=2, sequences=[_update("a", 1, 2, width)]), width, limits)
+    answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=3, sequences=[_update("c", 2, 0, width)]), width, limits)
+    assert list(keys) == ["1:a", "1:c"] and drafter.context_len("1:b") == 0  # b was the least recently used
+    assert drafter.context_len("1:a") == 3
+    with pytest.raises(WireError, match="outside the vocabulary"):
+        answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=4, sequences=[
+            _update("a", 1, 3, width, anchor=drafter.cfg.vocab_size)]), width, limits)
+    with pytest.raises(WireError, match="at most 2"):
+        answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=5, sequences=[
+            _update(r, 1, 0, width) for r in ("x", "y", "z")]), width, limits)

@@ -10,7 +10,7 @@ from dspark.proto_gen.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2 as
 from dspark.wire import tensor_to_proto
 from dspark_client import Client, DSparkError, RetryPolicy
 from grpc_health.v1 import health_pb2
-from service_helpers import (health_status, start_drafter, start_scheduler, start_verifier, wait_registered,
+from service_helpers import (RedisServer, AUTH, health_status, internal_channel, start_drafter, start_scheduler, start_verifier, wait_registered,
                              wait_serving, write_tiny_target)
 
 pytestmark = pytest.mark.slow
@@ -20,9 +20,11 @@ MAX_LEN = 256
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
+    # A Redis of its own: on a shared one, verifiers of other runs register and get our requests.
+    redis_server = RedisServer().start()
     path = str(write_tiny_target(tmp_path_factory.mktemp("tiny") / "tiny"))
     drafter, d_addr = start_drafter(path, logs)
-    scheduler, s_addr = start_scheduler(logs, [], redis_url="redis://127.0.0.1:6379/0", max_message_mb=1)
+    scheduler, s_addr = start_scheduler(logs, [], redis_url=redis_server.url, max_message_mb=1)
     # explore=1 and a draft every step: every request verifies its full block whatever K the
     # scheduler picks (on a tiny target drafting never pays, so K = 0 would skip the drafter),
     # so the checks below can see the drafter at work.
@@ -36,6 +38,7 @@ def cluster(tmp_path_factory):
     finally:
         for service in (verifier, scheduler, drafter):
             service.kill()
+        redis_server.kill()
 
 
 def assert_serving(client: Client) -> None:
@@ -61,7 +64,8 @@ BAD = [
 
 @pytest.mark.parametrize("entry", ["scheduler", "verifier"])
 def test_bad_requests_get_the_right_status_and_the_server_keeps_serving(cluster, entry):
-    with Client(cluster[entry], timeout=60, retry=RetryPolicy(max_attempts=1)) as client:
+    metadata = AUTH if entry == "verifier" else ()  # the verifier is internal: it wants the token
+    with Client(cluster[entry], timeout=60, retry=RetryPolicy(max_attempts=1), metadata=metadata) as client:
         assert_serving(client)
         for name, request, code in BAD:
             if entry == "verifier" and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -91,7 +95,7 @@ def _draft_request(width: int, rows: torch.Tensor | None = None, **update) -> dr
 
 
 def test_drafter_rejects_malformed_tensors_without_disturbing_other_streams(cluster):
-    channel = grpc.insecure_channel(cluster["drafter"])
+    channel = internal_channel(cluster["drafter"])
     stub = drafter_pb2_grpc.DrafterStub(channel)
     info = stub.DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=10)
     width = len(info.target_layers) * info.hidden_size

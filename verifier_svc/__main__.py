@@ -62,6 +62,8 @@ def parse_args(argv=None):
     ap.add_argument("--report-interval-s", type=float, default=float(env("DSPARK_REPORT_INTERVAL_S", 0.5)),
                     help="how often load and step reports go to the scheduler")
     ap.add_argument("--default-max-tokens", type=int, default=int(env("DSPARK_DEFAULT_MAX_TOKENS", 256)))
+    ap.add_argument("--max-tokens-cap", type=int, default=int(env("DSPARK_MAX_TOKENS_CAP", 0)),
+                    help="largest max_tokens a request may ask for (0 = --max-len); above it: INVALID_ARGUMENT")
     ap.add_argument("--drafter-timeout-s", type=float, default=float(env("DSPARK_DRAFTER_TIMEOUT_S", 2.0)),
                     help="deadline of one draft round trip; past it the step runs as plain decoding")
     ap.add_argument("--drafter-wait-s", type=float, default=float(env("DSPARK_DRAFTER_WAIT_S", 120)),
@@ -73,7 +75,7 @@ def parse_args(argv=None):
 
 
 async def serve(args) -> None:
-    core = VerifierCore(args.default_max_tokens)
+    core = VerifierCore(args.default_max_tokens, args.max_tokens_cap)
     if args.draft_probe_every < 1:
         raise SystemExit("--draft-probe-every must be >= 1")
     control = BudgetControl(args.explore, args.budget_ttl_steps, args.budget_ttl_s, args.sps_warmup_s,

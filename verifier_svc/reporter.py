@@ -3,7 +3,9 @@
 The engine thread only appends its step reports to a bounded deque (never blocks, drops the
 oldest when the scheduler is slow); an asyncio task registers, heartbeats the load every
 ~0.5 s and flushes the step reports. If the scheduler is gone, calls fail fast, the reports
-are dropped and the verifier keeps serving with the verify budget it last had.
+are dropped and the verifier keeps serving with the verify budget it last had. `address` may list
+several scheduler replicas (comma-separated): after a failed call the next one is tried, and
+the verifier registers there (they share the registry through Redis).
 """
 from __future__ import annotations
 
@@ -24,10 +26,11 @@ log = logging.getLogger(__name__)
 class SchedulerReporter:
     def __init__(self, address: str, register: scheduler_pb2.RegisterVerifierRequest, load_fn, on_decision,
                  interval_s: float = 0.5, max_message_mb: float = 16):
-        self.address, self.register, self.load_fn, self.on_decision = address, register, load_fn, on_decision
+        self.addresses = [a.strip() for a in address.split(",") if a.strip()]
+        self.register, self.load_fn, self.on_decision = register, load_fn, on_decision
         self.interval_s = interval_s
-        self.channel = aio_channel(address, max_message_mb)
-        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.channels = [aio_channel(a, max_message_mb) for a in self.addresses]
+        self._current = 0
         self.reports: collections.deque = collections.deque(maxlen=512)
         self._task: asyncio.Task | None = None
         self._steps = 0
@@ -41,10 +44,19 @@ class SchedulerReporter:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
+    @property
+    def address(self) -> str:
+        return self.addresses[self._current]
+
+    @property
+    def stub(self) -> scheduler_pb2_grpc.SchedulerStub:
+        return scheduler_pb2_grpc.SchedulerStub(self.channels[self._current])
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        await self.channel.close()
+        for channel in self.channels:
+            await channel.close()
 
     def _step_proto(self, step: int, r, drafter_version: str) -> scheduler_pb2.StepReport:
         msg = scheduler_pb2.StepReport(
@@ -76,8 +88,9 @@ class SchedulerReporter:
             except grpc.aio.AioRpcError as error:
                 if registered:
                     log.warning("scheduler at %s unreachable (%s); still serving", self.address, error.code().name)
-                registered = False  # re-register once it is back (it may have lost its state)
+                registered = False  # re-register once it is back (it may have lost its state) ...
                 self.reports.clear()
+                self._current = (self._current + 1) % len(self.addresses)  # ... or with the next replica
             except Exception:
                 log.exception("scheduler report failed")
             await asyncio.sleep(self.interval_s)

@@ -15,8 +15,8 @@ import grpc
 
 from dspark.proto_gen.v1 import (generation_pb2 as pb, generation_pb2_grpc, verifier_pb2, verifier_pb2_grpc)
 from dspark.serving import metrics, tracing
-from dspark.serving.requests import (RequestError, check_prompt_fits, check_request, check_token_ids,
-                                     sampling_params)
+from dspark.serving.requests import (RequestError, check_max_tokens, check_prompt_fits, check_request,
+                                     check_token_ids, sampling_params)
 from dspark.serving.textstream import TextStream
 from dspark.speculative.engine import EngineRequest
 from dspark.speculative.metrics import SpecMetrics
@@ -50,8 +50,9 @@ def metrics_proto(m: SpecMetrics | None, prompt_tokens: int, generated: int,
 class VerifierCore:
     """Everything Generate needs; the engine-side objects are set once the model is loaded."""
 
-    def __init__(self, default_max_tokens: int):
+    def __init__(self, default_max_tokens: int, max_tokens_cap: int = 0):
         self.default_max_tokens = default_max_tokens
+        self.max_tokens_cap = max_tokens_cap  # 0 = the context length
         self.runner = None
         self.tokenizer = None
         self.model_name = ""
@@ -86,19 +87,26 @@ class VerifierCore:
         if not self.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
         started = time.perf_counter()
+        if resume is None and request.HasField("resume"):  # a client's retry sent straight here
+            resume = verifier_pb2.ResumeInfo(streamed_token_ids=request.resume.streamed_token_ids,
+                                             streamed_text=request.resume.streamed_text)
         streamed = list(resume.streamed_token_ids) if resume is not None else []
         try:
             check_request(request, {self.model_name, "default"})
+            check_max_tokens(request.max_tokens, self.max_tokens_cap or self.max_len)
             prompt = self._prompt(request)
             if not prompt:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty after tokenization")
-            check_token_ids(prompt + streamed, self.vocab_size)
+            check_token_ids(prompt, self.vocab_size)
+            check_token_ids(streamed, self.vocab_size, "resumed token id")
+            check_token_ids(list(request.stop_token_ids), self.vocab_size, "stop token id")
             check_prompt_fits(len(prompt), self.max_len)
             params = sampling_params(request, self.default_max_tokens)
             params.max_tokens -= len(streamed)
         except RequestError as error:
             await context.abort(error.code, error.message)
-        req_id = request.request_id or uuid.uuid4().hex
+        job_id = uuid.uuid4().hex  # the engine's and the drafter's key for this job: ours alone
+        req_id = request.request_id or job_id  # the client's, echoed in the chunks and traced; never a key
         prior = resume.metrics if resume is not None and resume.HasField("metrics") else None
         if params.max_tokens <= 0 or len(prompt) + len(streamed) >= self.max_len:
             # A resume of a request that had in fact reached its limit: only the final chunk is left.
@@ -107,10 +115,10 @@ class VerifierCore:
             return
         spec = request.speculation  # the request's draft_len: 0 = no speculation, None = the drafter's block
         draft_len = 0 if spec.disable else (spec.max_draft_tokens or None)
-        job = Job(EngineRequest(prompt + streamed, params, req_id, draft_len), asyncio.get_running_loop())
+        job = Job(EngineRequest(prompt + streamed, params, job_id, draft_len), asyncio.get_running_loop())
         if span.is_recording():
             job.span = span  # the engine thread hangs this request's step spans under it
-            span.set_attributes({"dspark.request_id": req_id, "dspark.prompt_tokens": len(prompt),
+            span.set_attributes({"dspark.request_id": req_id, "dspark.job_id": job_id, "dspark.prompt_tokens": len(prompt),
                                  "dspark.resumed_tokens": len(streamed), "dspark.max_tokens": params.max_tokens})
         text = TextStream(self.tokenizer.decode, list(request.stop), streamed,
                           resume.streamed_text if resume is not None else "")

@@ -47,3 +47,12 @@ def open_aio_channel(address: str, tls: TlsConfig | None, options: Sequence[tupl
     if tls is None:
         return grpc.aio.insecure_channel(address, options=_options(tls, options))
     return grpc.aio.secure_channel(address, tls.credentials(), options=_options(tls, options))
+
+
+def split_addresses(address: str | Sequence[str]) -> list[str]:
+    """"host:port", "a:1,b:2" or a list: the replicas to try in turn."""
+    items = address.split(",") if isinstance(address, str) else list(address)
+    addresses = [a.strip() for a in items if a.strip()]
+    if not addresses:
+        raise ValueError("no server address given")
+    return addresses

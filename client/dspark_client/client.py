@@ -5,11 +5,11 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from .channel import TlsConfig, open_channel
+from .channel import TlsConfig, open_channel, split_addresses
 from .errors import from_rpc_error
 from .proto_gen.v1 import generation_pb2 as pb
 from .proto_gen.v1 import generation_pb2_grpc
-from .request import build_request
+from .request import Received, build_request
 from .retry import Deadline, RetryPolicy, retry_delay
 from .tracing import current_trace_metadata
 from .types import Chunk, GenerationResult, collect
@@ -19,11 +19,15 @@ Metadata = Sequence[tuple[str, str]]
 
 class Client:
     """`Client("host:port").generate("Hello", max_tokens=32)`. Keyword arguments of
-    generate / generate_stream are those of request.build_request."""
+    generate / generate_stream are those of request.build_request.
+
+    Several addresses ("a:50051,b:50051" or a list) are scheduler replicas: a call that fails
+    with UNAVAILABLE goes on at the next one, a broken stream resuming after the last token
+    received (retry.py)."""
 
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str],
         *,
         tls: TlsConfig | None = None,
         timeout: float | None = None,  # default deadline per call, retries included
@@ -31,35 +35,39 @@ class Client:
         metadata: Metadata = (),  # sent with every call (e.g. auth or trace context)
         options: Sequence[tuple[str, object]] = (),  # raw gRPC channel options
     ):
-        self.address = address
+        self.addresses = split_addresses(address)
+        self.address = ",".join(self.addresses)
         self.timeout = timeout
         self.retry = retry
         self.metadata = tuple(metadata)
-        self._channel = open_channel(address, tls, options)
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._channels = [open_channel(a, tls, options) for a in self.addresses]
+        self._stubs = [generation_pb2_grpc.GenerationStub(c) for c in self._channels]
+        self._stub = self._stubs[0]
 
     def generate_stream(
         self, prompt: str | None = None, *, timeout: float | None = None, metadata: Metadata = (), **params
     ) -> Iterator[Chunk]:
         request = build_request(prompt, **params)
         deadline = Deadline(timeout if timeout is not None else self.timeout)
+        received = Received()
         attempt = 0
         while True:
             attempt += 1
-            tokens = 0
+            stub = self._stubs[(attempt - 1) % len(self._stubs)]  # the next replica after a failure
             # The caller's current span (if any) parents the servers' spans; metadata passed by
             # hand comes last, so its traceparent wins.
             call_metadata = current_trace_metadata() + self.metadata + tuple(metadata)
-            call = self._stub.Generate(request, timeout=deadline.remaining(), metadata=call_metadata)
+            call = stub.Generate(received.resume(request), timeout=deadline.remaining(), metadata=call_metadata)
             try:
                 for message in call:
-                    tokens += len(message.token_ids)
+                    received.add(message)
                     yield Chunk.from_proto(message)
                 return
             except grpc.RpcError as error:
-                delay = retry_delay(self.retry, error.code(), attempt, tokens, deadline)
+                delay = retry_delay(self.retry, error.code(), attempt, len(received.token_ids), deadline,
+                                    resumable=len(self._stubs) > 1)
                 if delay is None:
-                    raise from_rpc_error(error, self.address, deadline.timeout, tokens) from error
+                    raise from_rpc_error(error, self.address, deadline.timeout, len(received.token_ids)) from error
             finally:
                 call.cancel()  # no-op once finished; tells the server when the caller stops early
             time.sleep(delay)
@@ -72,7 +80,8 @@ class Client:
         return list(response.models)
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> "Client":
         return self

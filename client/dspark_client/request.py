@@ -49,3 +49,24 @@ def build_request(
             m = m if isinstance(m, ChatMessage) else ChatMessage(m["role"], m["content"])
             request.messages.messages.add(role=m.role, content=m.content)
     return request
+
+
+class Received:
+    """What a stream has delivered so far, and the request that resumes after it."""
+
+    def __init__(self):
+        self.token_ids: list[int] = []
+        self.text: list[str] = []
+
+    def add(self, chunk: pb.GenerateChunk) -> None:
+        self.token_ids.extend(chunk.token_ids)
+        self.text.append(chunk.text)
+
+    def resume(self, request: pb.GenerateRequest) -> pb.GenerateRequest:
+        if not self.token_ids:
+            return request
+        resumed = pb.GenerateRequest()
+        resumed.CopyFrom(request)
+        resumed.resume.streamed_token_ids[:] = self.token_ids
+        resumed.resume.streamed_text = "".join(self.text)
+        return resumed

@@ -1,7 +1,9 @@
 """When a failed Generate call may be retried, and how long to wait.
 
-Only UNAVAILABLE (server down, restarting, connection refused) and only while no token has
-reached the caller: a retry after that would hand the caller a second, different stream.
+Only UNAVAILABLE (server down, restarting, connection refused). Once a token has reached the
+caller, only a client with several server replicas retries (`resumable`): it sends the tokens
+and text it has (GenerateRequest.resume), so the other replica continues after them and the
+caller sees no token twice and none missing. A single-address client does not, as before.
 """
 
 import time
@@ -33,10 +35,13 @@ class Deadline:
 
 
 def retry_delay(
-    policy: RetryPolicy, code: grpc.StatusCode, failed_attempt: int, tokens_received: int, deadline: Deadline
+    policy: RetryPolicy, code: grpc.StatusCode, failed_attempt: int, tokens_received: int, deadline: Deadline,
+    resumable: bool = False,
 ) -> float | None:
     """Seconds to wait before retrying, or None when the error must go to the caller."""
-    if code != grpc.StatusCode.UNAVAILABLE or tokens_received or failed_attempt >= policy.max_attempts:
+    if code != grpc.StatusCode.UNAVAILABLE or failed_attempt >= policy.max_attempts:
+        return None
+    if tokens_received and not resumable:
         return None
     delay = policy.backoff(failed_attempt)
     left = deadline.remaining()

@@ -23,7 +23,10 @@ def common_parser(description: str, port: int) -> argparse.ArgumentParser:
                     help="plaintext port serving only grpc.health.v1 (0 = none)")
     ap.add_argument("--metrics-port", type=int, default=int(env("DSPARK_METRICS_PORT", 0)),
                     help="Prometheus /metrics port (0 = none)")
-    ap.add_argument("--host", default=env("DSPARK_HOST", "[::]"), help="address to bind")
+    ap.add_argument("--host", default=env("DSPARK_HOST", "127.0.0.1"),
+                    help="address to bind (loopback unless told otherwise; the chart sets the pod's address)")
+    ap.add_argument("--reflection", action="store_true", default=env("DSPARK_REFLECTION", "0") in ("1", "true"),
+                    help="serve gRPC server reflection (off: it lists every internal method to anyone)")
     ap.add_argument("--max-message-mb", type=float, default=float(env("DSPARK_MAX_MESSAGE_MB", 4)),
                     help="largest gRPC message accepted or sent, in MiB")
     ap.add_argument("--grace-s", type=float, default=float(env("DSPARK_GRACE_S", 30)),
@@ -37,6 +40,13 @@ def common_parser(description: str, port: int) -> argparse.ArgumentParser:
                      help="1: require and verify client certificates; present ours to peers")
     tls.add_argument("--tls-server-name", default=env("DSPARK_TLS_SERVER_NAME", ""),
                      help="name to verify in peers' certificates (peers are dialled by IP)")
+    auth = ap.add_argument_group("internal plane", "who may call the Scheduler, Verifier and Drafter services")
+    auth.add_argument("--internal-token", default=env("DSPARK_INTERNAL_TOKEN", ""),
+                      help="shared secret(s), comma-separated: callers must send one; the first is sent to peers "
+                           "(two during a rotation: new,old)")
+    auth.add_argument("--insecure-internal", action="store_true",
+                      default=env("DSPARK_INSECURE_INTERNAL", "0") in ("1", "true"),
+                      help="allow an unauthenticated internal plane on a non-loopback address (never in production)")
     return ap
 
 
@@ -61,6 +71,32 @@ def apply_tls(args) -> None:
     for path in filter(None, (cert, key, ca)):
         if not Path(path).is_file():
             raise SystemExit(f"TLS: no such file {path}")
+
+
+def apply_auth(args) -> None:
+    """Make --internal-token the process's setting (channels to peers read it from the environment)
+    and refuse an unauthenticated internal plane reachable from other machines."""
+    token = getattr(args, "internal_token", "")
+    if token:
+        os.environ["DSPARK_INTERNAL_TOKEN"] = token
+    if internal_tokens() or mutual_tls() or getattr(args, "insecure_internal", False):
+        return
+    if not is_loopback(args.host):
+        raise SystemExit(f"refusing to serve the internal plane on {args.host} without authentication: set "
+                         "DSPARK_INTERNAL_TOKEN (or --internal-token), or mutual TLS, or --insecure-internal")
+
+
+def internal_tokens() -> list[str]:
+    return [t.strip() for t in str(env("DSPARK_INTERNAL_TOKEN", "")).split(",") if t.strip()]
+
+
+def bind_address(host: str, port: int) -> str:
+    """host:port, with an IPv6 address in brackets (a pod's IP may be one)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    return host.strip("[]") in ("127.0.0.1", "::1", "localhost")
 
 
 def mutual_tls() -> bool:
@@ -103,16 +139,24 @@ def channel_credentials() -> tuple[grpc.ChannelCredentials | None, list[tuple[st
 
 
 def aio_channel(address: str, max_message_mb: float) -> grpc.aio.Channel:
+    """A channel to a peer service: TLS as configured, and our internal token on every call."""
+    from dspark.serving.token_metadata import aio_interceptors
+
     creds, extra = channel_credentials()
     options = message_options(max_message_mb) + extra
+    interceptors = aio_interceptors(internal_tokens()[:1])
     if creds is None:
-        return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, creds, options=options)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, creds, options=options, interceptors=interceptors)
 
 
 def sync_channel(address: str, max_message_mb: float) -> grpc.Channel:
+    from dspark.serving.token_metadata import with_token
+
     creds, extra = channel_credentials()
     options = message_options(max_message_mb) + extra
     if creds is None:
-        return grpc.insecure_channel(address, options=options)
-    return grpc.secure_channel(address, creds, options=options)
+        channel = grpc.insecure_channel(address, options=options)
+    else:
+        channel = grpc.secure_channel(address, creds, options=options)
+    return with_token(channel, internal_tokens()[:1])

@@ -38,6 +38,10 @@ def check_request(request: pb.GenerateRequest, models: set[str] | None = None) -
             raise invalid("prompt is empty")
         if min(request.token_ids.ids) < 0:
             raise invalid("token ids must be >= 0")
+    if request.stop_token_ids and min(request.stop_token_ids) < 0:
+        raise invalid("stop_token_ids must be >= 0")
+    if request.resume.streamed_token_ids and min(request.resume.streamed_token_ids) < 0:
+        raise invalid("resume.streamed_token_ids must be >= 0")
     if kind == "messages":
         if not request.messages.messages:
             raise invalid("prompt is empty (no messages)")
@@ -66,9 +70,16 @@ def check_prompt_fits(prompt_len: int, max_len: int) -> None:
                            f"(at least one must be left to generate)")
 
 
-def check_token_ids(ids: list[int], vocab_size: int) -> None:
-    if ids and max(ids) >= vocab_size:
-        raise invalid(f"token id {max(ids)} is outside the vocabulary of {vocab_size}")
+def check_token_ids(ids, vocab_size: int, what: str = "token id") -> None:
+    """Every id in [0, vocab_size): anything else would index past the embedding."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = min(ids) if min(ids) < 0 else max(ids)
+        raise invalid(f"{what} {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_max_tokens(max_tokens: int, cap: int) -> None:
+    if max_tokens > cap:
+        raise invalid(f"max_tokens {max_tokens} is above this server's cap of {cap}")
 
 
 def sampling_params(request: pb.GenerateRequest, default_max_tokens: int) -> SamplingParams:

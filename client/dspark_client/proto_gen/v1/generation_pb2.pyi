@@ -60,8 +60,16 @@ class SpeculationOverride(_message.Message):
     max_draft_tokens: int
     def __init__(self, disable: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
 
+class StreamResume(_message.Message):
+    __slots__ = ("streamed_token_ids", "streamed_text")
+    STREAMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_TEXT_FIELD_NUMBER: _ClassVar[int]
+    streamed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    streamed_text: str
+    def __init__(self, streamed_token_ids: _Optional[_Iterable[int]] = ..., streamed_text: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "sampling", "max_tokens", "stop", "stop_token_ids", "speculation")
+    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "sampling", "max_tokens", "stop", "stop_token_ids", "speculation", "resume")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +80,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -82,7 +91,8 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     speculation: SpeculationOverride
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationOverride, _Mapping]] = ...) -> None: ...
+    resume: StreamResume
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationOverride, _Mapping]] = ..., resume: _Optional[_Union[StreamResume, _Mapping]] = ...) -> None: ...
 
 class SpecMetrics(_message.Message):
     __slots__ = ("prompt_tokens", "generated_tokens", "steps", "drafts", "draft_tokens", "accepted_tokens", "tau", "verified_per_position", "accepted_per_position")

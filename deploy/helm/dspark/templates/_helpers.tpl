@@ -45,6 +45,10 @@ redis://{{ include "dspark.fullname" . }}-redis:6379/0
 {{- end -}}
 {{- end -}}
 
+{{- define "dspark.internalAuthSecretName" -}}
+{{- .Values.internalAuth.existingSecret | default (printf "%s-internal-auth" (include "dspark.fullname" .)) -}}
+{{- end -}}
+
 {{- define "dspark.redisSecretName" -}}
 {{- .Values.redis.auth.existingSecret | default (printf "%s-redis" (include "dspark.fullname" .)) -}}
 {{- end -}}
@@ -58,9 +62,20 @@ redis://{{ include "dspark.fullname" . }}-redis:6379/0
   valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
 - name: POD_IP
   valueFrom: {fieldRef: {fieldPath: status.podIP}}
+# Bind the pod's own address (the services default to loopback).
+- name: DSPARK_HOST
+  value: "$(POD_IP)"
 # Read-only root filesystem: caches (torch, triton, HF) go to the /tmp emptyDir.
 - name: HOME
   value: /tmp
+{{- if ne .component "gateway" }}
+# The internal plane's shared secret (the gateway only calls the public Generation service).
+- name: DSPARK_INTERNAL_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "dspark.internalAuthSecretName" $ctx }}
+      key: {{ $ctx.Values.internalAuth.secretKey }}
+{{- end }}
 {{- if and $ctx.Values.redis.auth.enabled (not $ctx.Values.redis.external.url) }}
 # Defined before DSPARK_REDIS_URL so Kubernetes expands $(REDIS_PASSWORD) inside it.
 - name: REDIS_PASSWORD
