@@ -104,8 +104,9 @@ def main(argv=None):
         prompts = prompts[:args.limit]
     loaded = load_model(args.model, precision=args.precision)
     tok = loaded.tokenizer
+    precision = resolve_precision(args.precision)
     (out / "meta.json").write_text(json.dumps(dict(
-        target=loaded.name, precision=resolve_precision(args.precision), prompts=str(args.prompts),
+        target=loaded.name, precision=precision, prompts=str(args.prompts),
         reference_sampling=REFERENCE_SAMPLING, greedy_share=args.greedy_share, max_new_tokens=args.max_new_tokens,
         max_len=args.max_len, seed=args.seed), indent=1))
 
@@ -113,7 +114,7 @@ def main(argv=None):
     previous_tokens = response_tokens_in(out)
     todo = [(i, r) for i, r in enumerate(prompts) if r["id"] not in done]
     print(f"{len(prompts)} prompts, {len(done)} done ({previous_tokens} response tokens), {len(todo)} to go; "
-          f"batch {args.batch}, precision {resolve_precision(args.precision)}, {threads} thread(s)", flush=True)
+          f"batch {args.batch}, precision {precision}, {threads} thread(s)", flush=True)
 
     engine = Engine(loaded.model, max_batch=args.batch, max_len=args.max_len)
     state = {}  # req_id -> (record being built, its prompt record)
@@ -126,7 +127,9 @@ def main(argv=None):
             if len(ids) > args.max_prompt_tokens:
                 continue
             sampling = sampling_for(prompt["id"], i, args.seed, args.greedy_share, args.max_new_tokens)
-            rec = dict(id=prompt["id"], source=prompt["source"], category=prompt["category"], sampling=sampling, turns=[])
+            # The precision per record: a resume on another CPU may pick other kernels under "auto".
+            rec = dict(id=prompt["id"], source=prompt["source"], category=prompt["category"], sampling=sampling,
+                       precision=precision, turns=[])
             start_turn(rec, prompt, ids, [])
             return True
         return False

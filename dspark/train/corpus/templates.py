@@ -42,6 +42,14 @@ REASONING = [
     "There are {n} people at a party and each shakes hands with everyone else once. How many handshakes are there?",
     "What are the likely causes and effects of {t}? Reason step by step.",
     "If today is {day}, what day of the week will it be in {n} days?",
+    "{a} says: 'If I finish my work on {t}, I will go to {p}.' {a} did not go to {p}. What can we conclude?",
+    "{a} has {x} coins and {b} has {y}. How many coins must {a} give {b} so that they have the same number, and is "
+    "that always possible? Explain.", "A bag holds {x} red and {y} blue {item}. What is the probability of drawing "
+    "two red ones in a row without replacement? Reason it out.", "Which came first, {t} or {t2}? Explain how you "
+    "know.", "Is it a good idea to study {t} before {t2}? Argue both sides, then decide.",
+    "{a} always lies and {b} always tells the truth. One of them says 'I am {b}.' Who spoke? Explain.",
+    "A snail climbs {x} m up a wall each day and slides back {z} m each night. The wall is {xy} m high. On which day "
+    "does it reach the top? Think carefully.", "What assumptions hide in the claim that {t} always improves {t2}?",
 ]
 MATH = [
     "{a} has {x} {item}. {b} gives {a} {y} more, then {a} gives away {z}. How many {item} does {a} have now?",
