@@ -65,3 +65,24 @@ def test_job_writes_token_records_and_resumes_without_redoing(tmp_path):
             assert turn["finish"] in ("stop", "length")
     multi = next(r for r in records if r["id"] == "p000005")
     assert len(multi["turns"]) == 2
+
+
+def test_committed_snapshot_matches_the_corpus_and_its_settings(smollm2):
+    """Every committed record answers a corpus prompt: same id, its first turn's ids, its sampling."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    shards = sorted((repo / "datasets" / "train" / "regen").glob("shard_*.jsonl.gz"))
+    assert shards
+    prompts = read_jsonl(repo / "datasets" / "train" / "prompts.jsonl.gz")
+    index = {p["id"]: (i, p) for i, p in enumerate(prompts)}
+    records = [r for s in shards for r in read_jsonl(s)]
+    assert len({r["id"] for r in records}) == len(records)
+    eos = set(smollm2.model.config.eos_token_ids)
+    for r in records[:200]:
+        i, prompt = index[r["id"]]
+        assert r["turns"][0]["prompt_ids"] == smollm2.tokenizer.encode_chat([{"role": "user", "content": prompt["turns"][0]}])
+        assert r["sampling"] == regenerate.sampling_for(r["id"], i, 0, 0.2, 512)
+        for t in r["turns"]:
+            assert (t["response_ids"][-1] in eos) == (t["finish"] == "stop")
+            assert not eos & set(t["response_ids"][:-1])
