@@ -3,7 +3,8 @@
 Every record gets the target's own answer, mostly with the paper's sampling settings
 (T 0.7, top-p 0.8, top-k 20) and a share greedy, decoded batched on the fast engine.
 Multi-turn records are answered turn by turn (each follow-up is appended to the conversation
-the target itself produced). Saved per record: for each turn the ids fed before the answer
+the target itself produced). An answer that falls into a loop is cut once its recent window is
+mostly repeats (finish "loop", dspark/train/repetition.py) and ends its record. Saved per record: for each turn the ids fed before the answer
 (chat template + user text), the answer's ids and why it stopped, plus the sampling
 settings; concatenating prompt_ids + response_ids over the turns gives the whole sequence.
 
@@ -32,6 +33,7 @@ from dspark.models.precision import add_precision_flag, resolve_precision
 from dspark.models.threads import configure_threads
 from dspark.sampling import SamplingParams
 from dspark.train.corpus.build import read_jsonl
+from dspark.train.repetition import is_looping
 
 # DESIGN.md 1.2: the paper's reference sampling settings for regenerated responses.
 REFERENCE_SAMPLING = dict(temperature=0.7, top_p=0.8, top_k=20)
@@ -151,12 +153,15 @@ def main(argv=None):
     while engine.has_work():
         for seq, new in engine.step():
             new_tokens += len(new)
+            looping = not seq.done and len(seq.output) % 16 == 0 and is_looping(seq.output)
+            if looping:
+                engine.abort(seq)  # frees the slot; the record ends here, loop and all
             if not seq.done:
                 continue
             rec, prompt = state.pop(seq.req_id)
-            rec["turns"][-1].update(response_ids=list(seq.output), finish=seq.finish.value)
+            rec["turns"][-1].update(response_ids=list(seq.output), finish="loop" if looping else seq.finish.value)
             k = len(rec["turns"])
-            if k < len(prompt["turns"]):
+            if k < len(prompt["turns"]) and not looping:
                 stop_text = tok.tok.id_to_token(seq.output[-1]) if seq.finish.value == "stop" else None
                 glue = follow_up_ids(tok, prompt["turns"][k], stop_text)
                 if len(seq.tokens) + len(glue) + 64 < args.max_len:
