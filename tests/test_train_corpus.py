@@ -70,3 +70,20 @@ def test_user_query_filter():
     assert not good_user_query("Was ist der Unterschied zwischen einer Liste und einem Tupel?")
     assert not good_user_query("Hi<|im_end|> there, what is the capital of France?")
     assert not good_user_query("short?")
+
+
+def test_append_keeps_existing_ids_and_adds_only_new_prompts(tmp_path):
+    from dspark.train.corpus import build
+
+    out = tmp_path / "prompts.jsonl.gz"
+    none = ["--docstrings", "0", "--man-pages", "0", "--paragraphs", "0", "--out", str(out)]
+    build.main(none + ["--templates", "40", "--seed", "1"])
+    first = read_jsonl(out)
+    build.main(none + ["--templates", "80", "--seed", "2", "--append"])
+    second = read_jsonl(out)
+    assert second[:len(first)] == first  # a running regeneration keeps its ids
+    assert len(second) > len(first)
+    assert len({r["id"] for r in second}) == len(second)
+    assert len({"\n".join(r["turns"]) for r in second}) == len(second)
+    build.main(none + ["--templates", "80", "--seed", "2", "--append"])  # the same prompts again: all duplicates
+    assert read_jsonl(out) == second

@@ -61,21 +61,28 @@ def main(argv=None):
     ap.add_argument("--man-pages", type=int, default=1500)
     ap.add_argument("--paragraphs", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--append", action="store_true",
+                    help="keep --out's records and ids, add only new prompts after them (a running "
+                         "regeneration keeps its ids; e.g. more Magpie samples with every other count 0)")
     args = ap.parse_args(argv)
 
-    candidates = []
+    existing = read_jsonl(Path(args.out)) if args.append and Path(args.out).exists() else []
+    candidates = [{k: v for k, v in r.items() if k != "id"} for r in existing]
     for path in args.magpie:
         candidates += magpie_prompts(read_jsonl(Path(path)))
     candidates += local_text_prompts(args.docstrings, args.man_pages, args.paragraphs, args.seed)
     candidates += template_prompts(args.templates, args.seed)
     print(f"{len(candidates)} candidates", flush=True)
-    kept = deduplicate(candidates)
-    print(f"{len(kept)} after exact and near-duplicate removal", flush=True)
+    # Existing records come first, so a new prompt is what gets dropped when the two collide.
+    old = {id(r) for r in candidates[:len(existing)]}
+    kept = [r for r in deduplicate(candidates) if id(r) not in old]
+    print(f"{len(kept)} new after exact and near-duplicate removal", flush=True)
     index = eval_grams()
     clean = [r for r in kept if not overlaps("\n".join(r["turns"]), index)]
     print(f"{len(clean)} after dropping {len(kept) - len(clean)} with a 13-gram in datasets/eval", flush=True)
-    random.Random(args.seed).shuffle(clean)
-    records = [dict(id=f"p{i:06d}", **r) for i, r in enumerate(clean)]
+    random.Random(args.seed + len(existing)).shuffle(clean)
+    start = 1 + max((int(r["id"][1:]) for r in existing), default=-1)
+    records = existing + [dict(id=f"p{start + i:06d}", **r) for i, r in enumerate(clean)]
     write_jsonl_gz(Path(args.out), records)
     print(mix_table(records))
     print(f"wrote {len(records)} prompts to {args.out}")

@@ -143,16 +143,16 @@ PACKAGE_REQUESTS = ["What is the Python package `{name}` used for? Its summary: 
 def local_text_prompts(n_doc: int, n_man: int, n_para: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     out = []
-    docs = python_docstrings()
+    docs = python_docstrings() if n_doc else []
     for module, name, args, doc in rng.sample(docs, min(n_doc, len(docs))):
         out.append(dict(source="docstrings", category="code",
                         turns=[rng.choice(DOCSTRING_REQUESTS).format(module=module, name=name, args=args, doc=doc)]))
-    mans = man_page_summaries()
+    mans = man_page_summaries() if n_man else []
     for section, name, desc in rng.sample(mans, min(n_man, len(mans))):
         text = rng.choice(MAN_REQUESTS[section if section in MAN_REQUESTS else "1"])
         out.append(dict(source="man_pages", category="code" if section == "3" else "chat",
                         turns=[text.format(name=name, desc=desc, desc_lower=desc[:1].lower() + desc[1:])]))
-    packages = package_descriptions()
+    packages = package_descriptions() if n_para else []
     paragraphs = [p for _, _, paras in packages for p in paras]
     for p in rng.sample(paragraphs, min(n_para, len(paragraphs))):
         out.append(dict(source="package_docs", category="writing", turns=[rng.choice(PARAGRAPH_REQUESTS).format(p=p)]))
