@@ -66,7 +66,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 if tracing.enabled():
                     record_draft_spans(request, response, stream, started, time.time_ns())
                 metrics.DRAFT_REQUESTS.inc()
-                metrics.DRAFTER_CONTEXTS.set(len(self.drafter.contexts._len))
+                metrics.DRAFTER_CONTEXTS.set(len(self.drafter.contexts))
                 yield response
         finally:
             # The verifier is gone (or reconnecting): every context it had here is garbage now.

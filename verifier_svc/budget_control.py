@@ -67,7 +67,7 @@ class BudgetControl:
         gamma = self.drafter.gamma if self.drafter is not None else 0
         if self.warmup_s > 0:
             table = await asyncio.to_thread(warmup_profile, engine, max_batch * (1 + gamma), budget_s=self.warmup_s)
-            self.sps.table.seconds_by_tokens.update(table.seconds_by_tokens)
+            self.sps.update(table)
             metrics.SPS_POINTS.set(len(table.seconds_by_tokens))
 
     def fill_load(self, load):

@@ -88,6 +88,11 @@ class LiveSps:
             with self._lock:
                 self.table.observe(tokens, seconds)
 
+    def update(self, table: SpsTable) -> None:
+        """Take every point a profile measured (the warm-up's), replacing what was there."""
+        with self._lock:
+            self.table.seconds_by_tokens.update(table.seconds_by_tokens)
+
     def __call__(self, tokens):
         with self._lock:
             return self.table(tokens)

@@ -5,13 +5,12 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from .attempts import Attempts
 from .channel import TlsConfig, open_aio_channel, split_addresses
-from .errors import from_rpc_error
 from .proto_gen.v1 import generation_pb2 as pb
 from .proto_gen.v1 import generation_pb2_grpc
-from .request import Received, build_request
-from .retry import Deadline, RetryPolicy, retry_delay
-from .tracing import current_trace_metadata
+from .request import build_request
+from .retry import RetryPolicy
 from .types import Chunk, GenerationResult, collect
 
 Metadata = Sequence[tuple[str, str]]
@@ -42,27 +41,15 @@ class AsyncClient:
     async def generate_stream(
         self, prompt: str | None = None, *, timeout: float | None = None, metadata: Metadata = (), **params
     ) -> AsyncIterator[Chunk]:
-        request = build_request(prompt, **params)
-        deadline = Deadline(timeout if timeout is not None else self.timeout)
-        received = Received()
-        attempt = 0
+        attempts = Attempts(self, build_request(prompt, **params), timeout, metadata)
         while True:
-            attempt += 1
-            stub = self._stubs[(attempt - 1) % len(self._stubs)]  # the next replica after a failure
-            # The caller's current span (if any) parents the servers' spans; metadata passed by
-            # hand comes last, so its traceparent wins.
-            call_metadata = current_trace_metadata() + self.metadata + tuple(metadata)
-            call = stub.Generate(received.resume(request), timeout=deadline.remaining(), metadata=call_metadata)
+            call = attempts.start()
             try:
                 async for message in call:
-                    received.add(message)
-                    yield Chunk.from_proto(message)
+                    yield attempts.take(message)
                 return
             except grpc.aio.AioRpcError as error:
-                delay = retry_delay(self.retry, error.code(), attempt, len(received.token_ids), deadline,
-                                    resumable=len(self._stubs) > 1)
-                if delay is None:
-                    raise from_rpc_error(error, self.address, deadline.timeout, len(received.token_ids)) from error
+                delay = attempts.delay_after(error)
             finally:
                 call.cancel()
             await asyncio.sleep(delay)

@@ -38,6 +38,12 @@ class KVCache:
         self.lengths[slot] = 0
         self._free.append(slot)
 
+    def advance(self, slot: int, length: int) -> None:
+        """A pass wrote the slot's keys/values up to position `length`: it holds that many now."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"slot length {length} outside [0, {self.max_len}]")
+        self.lengths[slot] = length
+
     def rollback(self, slot: int, length: int) -> None:
         """Forget every position >= length (rejected drafts)."""
         if not 0 <= length <= self.lengths[slot]:

@@ -255,7 +255,7 @@ class Transformer(nn.Module):
                 captured[i] = x
         if cache is not None:
             for slot, end in zip(batch.slot_list, ends):
-                cache.lengths[slot] = end
+                cache.advance(slot, end)
         hidden = self.model.norm(x)
         if isinstance(logits_rows, str):
             logits_rows = batch.last_rows() if logits_rows == "last" else torch.arange(hidden.shape[0],
