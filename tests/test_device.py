@@ -186,7 +186,8 @@ def test_real_target_and_shipped_drafter_stay_on_the_device():
 @pytest.mark.parametrize("kind", KINDS)
 def test_training_step_stays_on_the_device(kind):
     from dspark.train.dataset import Sequence, target_features
-    from dspark.train.trainer import DEFAULT_TRAIN, TargetLSE, sequence_loss, sequence_to
+    from dspark.train.config import TrainConfig
+    from dspark.train.trainer import TargetLSE, sequence_loss, sequence_to
 
     target = tiny_target().to(DEVICE)
     drafter = random_drafter(target, kind).to(DEVICE).train()
@@ -196,7 +197,7 @@ def test_training_step_stays_on_the_device(kind):
     lse = TargetLSE(drafter.lm_head_full)
     with DeviceChecker(DEVICE) as checker:
         seq = sequence_to(raw, DEVICE)
-        result = sequence_loss(drafter, seq, lambda positions: lse(0, raw, positions), DEFAULT_TRAIN, 256,
+        result = sequence_loss(drafter, seq, lambda positions: lse(0, raw, positions), TrainConfig(), 256,
                                torch.Generator().manual_seed(0))
         result["loss"].backward()
     assert checker.factory_calls > 0 and torch.isfinite(result["loss"])

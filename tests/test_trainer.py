@@ -6,6 +6,7 @@ from safetensors.torch import load_file
 
 from dspark.drafters.checkpoint import load_drafter
 from dspark.train.anchors import candidate_anchors, sample_anchors, slot_validity, ttt_validity
+from dspark.train.config import TrainConfig, load_train_config
 from dspark.train.dataset import CachedDataset, OnlineDataset, build_tiny_dataset
 from dspark.train.trainer import TargetLSE, choose_draft_vocab, lr_factor, train
 
@@ -65,7 +66,7 @@ def test_ttt_validity():
 
 
 def test_lr_schedule_warms_up_then_decays():
-    t = {"warmup_steps": 4, "steps": 20, "min_lr_ratio": 0.1}
+    t = TrainConfig(warmup_steps=4, steps=20, min_lr_ratio=0.1)
     factors = [lr_factor(s, t) for s in range(20)]
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
     assert all(a >= b for a, b in zip(factors[4:], factors[5:]))
@@ -137,3 +138,18 @@ def test_training_reduces_the_loss(target, data_dir, tmp_path, kind):
     assert (tmp_path / "loss.png").stat().st_size > 1000
     drafter = load_drafter(summary["drafter_dir"], target.model.embed_tokens.weight, target.lm_head.weight)
     assert drafter.kind == kind and drafter.cfg.draft_vocab == 48 and drafter.ctx_layers == CTX_LAYERS
+
+
+def test_train_config_is_typed_and_refuses_what_it_does_not_know():
+    cfg = load_train_config({"drafter": {"kind": "dspark"}, "train": {"steps": 30, "lr": 1, "betas": [0.8, 0.9]}})
+    t = cfg["train"]
+    assert (t.steps, t.lr, t.betas, t.seed) == (30, 1, (0.8, 0.9), 0)  # an int where a float goes is fine
+    assert TrainConfig.from_dict(t.to_dict()) == t
+    for bad, word in (({"stepz": 3}, "stepz"), ({"steps": "30"}, "steps"), ({"lr": "fast"}, "lr"),
+                      ({"mix": {"kl": 1.0}}, "kl")):
+        with pytest.raises(ValueError, match=word):
+            load_train_config({"drafter": {"kind": "dspark"}, "train": bad})
+    with pytest.raises(ValueError, match="drafter.kind"):
+        load_train_config({"drafter": {}})
+    with pytest.raises(ValueError, match="sections"):
+        load_train_config({"drafter": {"kind": "dflash"}, "trian": {}})

@@ -24,9 +24,9 @@ import torch
 from dspark.device import host_values
 from dspark.drafters.contract import DrafterContract
 from dspark.engine.generate import Engine
+from dspark.engine.sampler import row_probs
 from dspark.engine.sequence import Sequence
-from dspark.models.batch import VarlenBatch
-from dspark.sampling import SamplingParams, logits_to_probs
+from dspark.sampling import SamplingParams
 from dspark.speculative.errors import DrafterUnavailable
 from dspark.speculative.metrics import SpecMetrics
 from dspark.speculative.policy import FixedDraftLen, SpeculationPolicy
@@ -65,6 +65,19 @@ class SpecState:
 
     def features(self, start: int, stop: int) -> torch.Tensor:
         return self._features[start:min(stop, self._logged)]
+
+
+@dataclass
+class VerifyStep:
+    """One step's pass as built: sequences (new ones first), what each feeds, logits rows."""
+    seqs: list[Sequence]
+    num_admitted: int  # the first this many are prefills (no drafts)
+    heads: list[list[int]]  # prompt (new) or anchor (running) per sequence
+    lens: list[int]  # drafts verified per sequence
+    pieces: list[list[int]]  # head + drafts: the tokens fed
+    logit_rows: list[int]  # flat rows where a decision is made
+    batch: object = None
+    out: object = None  # the model's output, once verified
 
 
 @dataclass
@@ -156,42 +169,44 @@ class SpecEngine(Engine):
         cap = self.drafter.gamma if draft_len is None else min(draft_len, self.drafter.gamma)
         return max(0, min(cap, room))
 
-    # ---- one step ---------------------------------------------------------------------------
+    # ---- one step: build, verify, commit -------------------------------------------------
     def step(self) -> list[tuple[Sequence, list[int]]]:
         t0 = time.perf_counter()
-        running = [s for s in self.running]
-        admitted = self._admit()
-        decoding = [s for s in running]  # requests already past their prefill
+        decoding = list(self.running)  # requests already past their prefill
+        admitted = self.scheduler.admit()
         block, lens = self._draft(decoding)
         # One copy to the host, which also waits for a GPU drafter: its time is counted as drafting.
         block_tokens = block.tokens.tolist() if block is not None else []
-        t_draft = time.perf_counter() - t0
-        seqs = admitted + decoding
-        if not seqs:
+        draft_seconds = time.perf_counter() - t0
+        if not admitted and not decoding:
             return []
-        device = self.model.device
+        step = self._build(admitted, decoding, block_tokens, lens)
+        num_acc, out_tokens = self._verify(step, block)
+        events = self._commit(step, num_acc, out_tokens, block)
+        self.last_report.draft_seconds, self.last_report.drafted = draft_seconds, block is not None
+        self.last_report.seconds = time.perf_counter() - t0
+        return events
+
+    def _build(self, admitted: list[Sequence], decoding: list[Sequence], block_tokens, lens) -> VerifyStep:
+        """What this pass feeds: prompts of new requests (zero drafts), anchor + drafts of the others."""
+        seqs = admitted + decoding
         lens = [0] * len(admitted) + list(lens)
         drafts = [[] for _ in admitted] + [block_tokens[i][:n] if n else [] for i, n in enumerate(lens[len(admitted):])]
         heads = [s.pending() for s in seqs]  # prompt for new requests, the anchor for the others
-        batch = VarlenBatch.build([h + d for h, d in zip(heads, drafts)], [s.cached for s in seqs], [s.slot for s in seqs],
-                                  device=device)
-
         # Logits where a decision is made: each draft position and the bonus position.
         rows, first = [], 0
         for h, n in zip(heads, lens):
             rows.extend(range(first + len(h) - 1, first + len(h) + n))
             first += len(h) + n
-        out = self.model(batch, self.cache, capture_layers=self.capture_layers,
-                         logits_rows=host_values(rows, torch.long, device))
+        return VerifyStep(seqs, len(admitted), heads, lens, [h + d for h, d in zip(heads, drafts)], rows)
 
-        per_row = lambda values, dtype: host_values([v for v, n in zip(values, lens) for _ in range(n + 1)],  # noqa: E731
-                                                    dtype, device)
-        probs = logits_to_probs(out.logits, per_row([s.params.temperature for s in seqs], torch.float32),
-                                per_row([s.params.top_k for s in seqs], torch.long),
-                                per_row([s.params.top_p for s in seqs], torch.float32))
-        draft_lens = host_values(lens, torch.long, device)
+    def _verify(self, step: VerifyStep, block) -> tuple[list[int], list[list[int]]]:
+        """One target pass, then chain rejection sampling: accepted drafts and the next token per request."""
+        step.batch, step.out = self.runner.run(step.seqs, step.pieces, step.logit_rows)
+        device, lens = self.runner.device, step.lens
+        probs = row_probs(step.out.logits, step.seqs, [n + 1 for n in lens])
         if block is not None and sum(lens):
-            spec_rows = [(i, j) for i, n in enumerate(lens[len(admitted):]) for j in range(n)]
+            spec_rows = [(i, j) for i, n in enumerate(lens[step.num_admitted:]) for j in range(n)]
             # A remote drafter's block arrives on the host (the wire); an in-process one is already here.
             idx_r = host_values([r for r, _ in spec_rows], torch.long, block.tokens.device)
             idx_j = host_values([j for _, j in spec_rows], torch.long, block.tokens.device)
@@ -202,21 +217,22 @@ class SpecEngine(Engine):
             draft_tokens = torch.empty(0, dtype=torch.long, device=device)
             support_ids = torch.empty(0, 1, dtype=torch.long, device=device)
             support_probs = torch.empty(0, 1, device=device)
-        u_acc, u_res = draw_uniforms(lens, [s.generator for s in seqs], device)
+        u_acc, u_res = draw_uniforms(lens, [s.generator for s in step.seqs], device)
         num_acc, out_tokens = rejection_sample_auto(probs, draft_tokens, support_ids, support_probs,
-                                                    draft_lens, u_acc, u_res)
-        num_acc, out_tokens = num_acc.tolist(), out_tokens.tolist()  # tokens out: one copy to the host
+                                                    host_values(lens, torch.long, device), u_acc, u_res)
+        return num_acc.tolist(), out_tokens.tolist()  # tokens out: one copy to the host
 
-        report = StepReport(batch_size=len(seqs), batch_tokens=len(batch.tokens), draft_seconds=t_draft,
-                            drafted=block is not None)
+    def _commit(self, step: VerifyStep, num_acc: list[int], out_tokens: list[list[int]], block):
+        """Accepted tokens become context: cache rolled back past the rejected drafts, features kept
+        for the drafter, metrics and the step report updated, finished requests released."""
+        report = StepReport(batch_size=len(step.seqs), batch_tokens=len(step.batch.tokens))
         events, first = [], 0
-        for i, seq in enumerate(seqs):
-            n_acc, n_head = num_acc[i], len(heads[i])
+        for i, seq in enumerate(step.seqs):
+            n_acc, n_head = num_acc[i], len(step.heads[i])
             kept = n_head + n_acc  # rows of this pass that are now decided context
-            rows_i = slice(first, first + kept)
-            first += n_head + lens[i]
             if self.capture_layers:
-                seq.spec.log_features(out.features[rows_i].to(torch.bfloat16))
+                seq.spec.log_features(step.out.features[first:first + kept].to(torch.bfloat16))
+            first += n_head + step.lens[i]
             seq.cached += kept
             self.cache.rollback(seq.slot, seq.cached)
             new = []
@@ -225,17 +241,16 @@ class SpecEngine(Engine):
                 new.append(tok)
                 if seq.done:
                     break
-            if i >= len(admitted):
-                seq.spec.metrics.record(lens[i], n_acc, len(new))
+            if i >= step.num_admitted:
+                seq.spec.metrics.record(step.lens[i], n_acc, len(new))
                 if block is not None:
                     report.req_ids.append(seq.req_id)
-                    report.verified.append(lens[i])
+                    report.verified.append(step.lens[i])
                     report.accepted.append(n_acc)
             events.append((seq, new))
             if seq.done:
                 self._release(seq)
         if block is not None and block.conf_logits is not None and report.req_ids:
             report.conf_logits = block.conf_logits
-        report.seconds = time.perf_counter() - t0
         self.last_report = report
         return events

@@ -3,7 +3,7 @@
     python -m dspark.train.trainer --config dspark/train/configs/dspark.json --data DATA --out OUT
 
 Config (plain JSON): {"drafter": {DrafterConfig fields, "kind" required}, "train": {see
-DEFAULT_TRAIN}, "target": optional model name/path for the embedding and LM head (default: the
+TrainConfig in config.py}, "target": optional model name/path for the embedding and LM head (default: the
 dataset's meta.json "target")}. Everything random is seeded from (seed, step), so resuming from
 a checkpoint gives the same run as never stopping.
 
@@ -30,38 +30,15 @@ from dspark.drafters.checkpoint import save_drafter
 from dspark.drafters.config import DrafterConfig
 from dspark.train import losses
 from dspark.train.anchors import sample_anchors, sample_rows, slot_validity, ttt_validity
+from dspark.train.config import TrainConfig, load_train_config
 from dspark.train.dataset import CachedDataset, Sequence
 
-DEFAULT_TRAIN = {
-    "steps": 1000,  # optimiser steps (the budget)
-    "lr": 6e-4, "warmup_steps": 50, "min_lr_ratio": 0.1,  # linear warmup, cosine decay to lr * min_lr_ratio
-    "weight_decay": 0.01, "betas": [0.9, 0.95], "grad_clip": 1.0,
-    "batch_sequences": 2,  # sequences per optimiser step
-    "anchors_per_seq": 512,  # reference anchor count per sequence (capped by the token budget)
-    "max_block_tokens": 2048,  # budget of supervised rows (anchors x gamma, or EAGLE-3 rows) per step
-    "max_seq_len": 1024,  # longer sequences are cropped to a random window
-    "slot_decay": 4.0, "mix": dict(losses.DEFAULT_MIX),  # w_k = exp(-(k-1)/slot_decay); CE/TV/conf mix
-    "ttt_steps": 7, "ttt_decay": 0.8,  # EAGLE-3 training-time test
-    "seed": 0, "save_every": 200, "keep_checkpoints": 2,
-}
 
-
-def load_train_config(config: str | Path | dict) -> dict:
-    cfg = json.loads(Path(config).read_text()) if not isinstance(config, dict) else json.loads(json.dumps(config))
-    unknown = set(cfg.get("train", {})) - set(DEFAULT_TRAIN)
-    if unknown:
-        raise ValueError(f"unknown train settings: {sorted(unknown)}")
-    cfg["train"] = {**DEFAULT_TRAIN, **cfg.get("train", {})}
-    if "kind" not in cfg.get("drafter", {}):
-        raise ValueError('the config needs drafter.kind ("dspark", "dflash" or "eagle3")')
-    return cfg
-
-
-def lr_factor(step: int, t: dict) -> float:
-    if step < t["warmup_steps"]:
-        return (step + 1) / t["warmup_steps"]
-    progress = (step - t["warmup_steps"]) / max(1, t["steps"] - t["warmup_steps"])
-    return t["min_lr_ratio"] + (1 - t["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+def lr_factor(step: int, t: TrainConfig) -> float:
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def choose_draft_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
@@ -122,14 +99,14 @@ def _target_rows(drafter, seq: Sequence, lse, positions: torch.Tensor, needed: t
         return losses.target_probs(logits, row_lse)
 
 
-def sequence_loss(drafter, seq: Sequence, lse, t: dict, budget: int, gen: torch.Generator) -> dict | None:
+def sequence_loss(drafter, seq: Sequence, lse, t: TrainConfig, budget: int, gen: torch.Generator) -> dict | None:
     """The loss terms of one sequence with at most `budget` supervised rows; None if nothing to learn.
 
     lse(positions) -> the target's full-vocabulary logsumexp at those positions of `seq`.
     """
     length, gamma = seq.tokens.shape[0], drafter.gamma
     if drafter.kind == "eagle3":
-        steps = t["ttt_steps"]
+        steps = t.ttt_steps
         valid = ttt_validity(seq.loss_mask, steps)
         rows = sample_rows(valid, budget, gen)
         if rows.numel() == 0:
@@ -138,9 +115,9 @@ def sequence_loss(drafter, seq: Sequence, lse, t: dict, budget: int, gen: torch.
         hidden = drafter.train_forward(seq.features, seq.tokens, steps)
         logits = drafter.draft_logits(hidden.reshape(-1, hidden.shape[-1])[rows])
         p_in, mass_out = _target_rows(drafter, seq, lse, pos + 1, torch.ones_like(pos, dtype=torch.bool))
-        return losses.eagle3_loss(logits, p_in, mass_out, step, steps, t["ttt_decay"])
+        return losses.eagle3_loss(logits, p_in, mass_out, step, steps, t.ttt_decay)
 
-    anchors = sample_anchors(seq.loss_mask, min(t["anchors_per_seq"], max(1, budget // gamma)), gen)
+    anchors = sample_anchors(seq.loss_mask, min(t.anchors_per_seq, max(1, budget // gamma)), gen)
     if anchors.numel() == 0:
         return None
     valid = slot_validity(anchors, seq.loss_mask, gamma)
@@ -148,10 +125,10 @@ def sequence_loss(drafter, seq: Sequence, lse, t: dict, budget: int, gen: torch.
     slot_pos = (anchors[:, None] + torch.arange(gamma, device=anchors.device)).clamp(max=length - 1)  # hidden of a+k-1
     p_in, mass_out = _target_rows(drafter, seq, lse, slot_pos, valid)
     token_index = drafter.to_draft_index(seq.tokens[(slot_pos + 1).clamp(max=length - 1)])
-    weights = losses.slot_weights(gamma, t["slot_decay"], device=logits.device)
+    weights = losses.slot_weights(gamma, t.slot_decay, device=logits.device)
     if drafter.kind == "dflash":
         return losses.dflash_loss(logits, p_in, mass_out, token_index, valid, weights)
-    return losses.dspark_loss(logits, conf, p_in, mass_out, token_index, valid, weights, t["mix"])
+    return losses.dspark_loss(logits, conf, p_in, mass_out, token_index, valid, weights, t.mix)
 
 
 class DataOrder:
@@ -242,16 +219,17 @@ def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str |
     drafter_fields = dict(cfg["drafter"])
     kind = drafter_fields.pop("kind")
     drafter_fields.setdefault("target", data.meta["target"])
-    drafter_fields.setdefault("version", f"{kind}-{t['steps']}")
+    drafter_fields.setdefault("version", f"{kind}-{t.steps}")
     dcfg = DrafterConfig.for_target(target_cfg, kind, data.ctx_layers, **drafter_fields)
     draft_vocab = choose_draft_vocab(data.token_counts(dcfg.vocab_size), dcfg.draft_vocab_size) \
         if dcfg.draft_vocab_size else None
-    torch.manual_seed(t["seed"])
+    torch.manual_seed(t.seed)
     drafter = build_drafter(dcfg, embed, lm_head, draft_vocab).to(device).train()
-    (out / "config.json").write_text(json.dumps({**cfg, "drafter": dcfg.to_dict()}, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps({**cfg, "drafter": dcfg.to_dict(), "train": t.to_dict()}, indent=2)
+                                      + "\n")
 
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t["lr"], betas=tuple(t["betas"]), weight_decay=t["weight_decay"],
+    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
                                   fused=True)  # one kernel: several times faster on CPU than foreach
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t))
     step = 0
@@ -266,22 +244,22 @@ def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str |
     log_path.write_text("".join(line + "\n" for line in kept))  # drop lines past the checkpoint
 
     lse = TargetLSE(drafter.lm_head_full)
-    order = DataOrder(len(data), t["seed"])
-    batch, budget = t["batch_sequences"], t["max_block_tokens"] // t["batch_sequences"]
+    order = DataOrder(len(data), t.seed)
+    batch, budget = t.batch_sequences, t.max_block_tokens // t.batch_sequences
     n_params = sum(p.numel() for p in params)
     print(f"training {kind}: {n_params / 1e6:.1f}M parameters, draft vocab {dcfg.draft_vocab}, "
-          f"{len(data)} sequences, steps {step}..{t['steps']}")
+          f"{len(data)} sequences, steps {step}..{t.steps}")
     first, durations = step, []
-    bar = tqdm(range(step, t["steps"]), initial=step, total=t["steps"], disable=not show_progress)
+    bar = tqdm(range(step, t.steps), initial=step, total=t.steps, disable=not show_progress)
     for step in bar:
         began = time.perf_counter()
-        gen = torch.Generator().manual_seed(t["seed"] * 1_000_003 + step)
+        gen = torch.Generator().manual_seed(t.seed * 1_000_003 + step)
         optimizer.zero_grad(set_to_none=True)
         logs = []
         for b in range(batch):
             index = order(step * batch + b)
             raw = data[index]
-            seq, offset = crop(raw, t["max_seq_len"], gen)
+            seq, offset = crop(raw, t.max_seq_len, gen)
             seq = sequence_to(seq, torch.device(device))
 
             def seq_lse(positions, index=index, raw=raw, offset=offset):
@@ -292,7 +270,7 @@ def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str |
                 continue
             (result["loss"] / batch).backward()
             logs.append({k: (v.item() if torch.is_tensor(v) else v) for k, v in result.items()})
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t["grad_clip"])) if logs else 0.0
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip)) if logs else 0.0
         optimizer.step()
         scheduler.step()
         seconds = time.perf_counter() - began
@@ -307,11 +285,11 @@ def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str |
         if step in (first, first + 5):  # early steps also pay one-off costs (target logsumexp): an upper bound
             per_step = sum(durations[1:] or durations) / len(durations[1:] or durations)
             print(f"\n{per_step:.2f} s/step over the first {len(durations)} step(s): at most about "
-                  f"{per_step * (t['steps'] - step - 1) / 60:.1f} min for the remaining {t['steps'] - step - 1} steps")
+                  f"{per_step * (t.steps - step - 1) / 60:.1f} min for the remaining {t.steps - step - 1} steps")
         bar.set_postfix(loss=f"{record.get('loss', float('nan')):.4f}", acc=f"{record.get('accept_len', 0):.2f}")
         stopping = stop_after is not None and step + 1 >= stop_after
-        if (step + 1) % t["save_every"] == 0 or step + 1 == t["steps"] or stopping:
-            save_checkpoint(out, step + 1, drafter, optimizer, scheduler, t["keep_checkpoints"])
+        if (step + 1) % t.save_every == 0 or step + 1 == t.steps or stopping:
+            save_checkpoint(out, step + 1, drafter, optimizer, scheduler, t.keep_checkpoints)
         if stopping:
             break
     bar.close()
@@ -321,7 +299,7 @@ def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str |
     records = [json.loads(line) for line in log_path.read_text().splitlines()]
     plot_losses(records, out / "loss.png")
     done = records[-1]["step"] if records else 0
-    return {"drafter_dir": str(out / "drafter"), "steps_done": done, "steps": t["steps"], "log": str(log_path),
+    return {"drafter_dir": str(out / "drafter"), "steps_done": done, "steps": t.steps, "log": str(log_path),
             "final": records[-1] if records else {}}
 
 
