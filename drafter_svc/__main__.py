@@ -30,20 +30,20 @@ log = logging.getLogger("drafter_svc")
 
 def parse_args(argv=None):
     ap = common_parser(__doc__, port=50053)
-    ap.add_argument("--kind", default=env("DSPARK_DRAFTER_KIND", "dspark"), choices=["dspark", "dflash", "eagle3"])
-    ap.add_argument("--checkpoint", default=env("DSPARK_DRAFTER_CHECKPOINT", ""),
+    ap.add_argument("--kind", env="DSPARK_DRAFTER_KIND", default="dspark", choices=["dspark", "dflash", "eagle3"])
+    ap.add_argument("--checkpoint", env="DSPARK_DRAFTER_CHECKPOINT", default="",
                     help="drafter checkpoint directory; empty = a random drafter of --kind")
-    ap.add_argument("--target-model", default=env("DSPARK_TARGET_MODEL", ""),
+    ap.add_argument("--target-model", env="DSPARK_TARGET_MODEL", default="",
                     help="target whose embedding and LM head the drafter shares "
                          "(default: the checkpoint's target, else DSPARK_MODEL, else smollm2-135m)")
     ap.add_argument("--gamma", type=int, default=7, help="block size of a random drafter")
     ap.add_argument("--num-layers", type=int, default=2, help="decoder layers of a random drafter")
     ap.add_argument("--seed", type=int, default=0, help="initialisation seed of a random drafter")
-    ap.add_argument("--max-batch", type=int, default=int(env("DSPARK_MAX_BATCH", 16)),
+    ap.add_argument("--max-batch", type=int, env="DSPARK_MAX_BATCH", default=16,
                     help="sequences in one draft call (the verifiers' running batch)")
-    ap.add_argument("--max-len", type=int, default=int(env("DSPARK_MAX_LEN", 2048)),
+    ap.add_argument("--max-len", type=int, env="DSPARK_MAX_LEN", default=2048,
                     help="context positions of one sequence (the verifiers' --max-len)")
-    ap.add_argument("--max-contexts-per-stream", type=int, default=int(env("DSPARK_MAX_CONTEXTS_PER_STREAM", 0)),
+    ap.add_argument("--max-contexts-per-stream", type=int, env="DSPARK_MAX_CONTEXTS_PER_STREAM", default=0,
                     help="contexts one verifier stream may hold; least recently used evicted past it (0 = 2 x --max-batch)")
     add_precision_flag(ap)
     add_device_flag(ap)

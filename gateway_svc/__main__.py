@@ -13,7 +13,7 @@ import logging
 import uvicorn
 
 from dspark.serving import tracing
-from dspark.serving.config import env, mutual_tls
+from dspark.serving.config import FlagParser, env, mutual_tls
 from dspark_client import AsyncClient, TlsConfig
 
 from .app import Gateway, Limits, create_app
@@ -23,17 +23,17 @@ log = logging.getLogger("gateway_svc")
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--host", default=env("DSPARK_HOST", "0.0.0.0"), help="address to bind")
-    ap.add_argument("--port", type=int, default=int(env("DSPARK_PORT", 8000)))
-    ap.add_argument("--scheduler-addr", default=env("DSPARK_SCHEDULER_ADDR", "127.0.0.1:50051"))
+    ap = FlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", env="DSPARK_HOST", default="0.0.0.0", help="address to bind")
+    ap.add_argument("--port", type=int, env="DSPARK_PORT", default=8000)
+    ap.add_argument("--scheduler-addr", env="DSPARK_SCHEDULER_ADDR", default="127.0.0.1:50051")
     ap.add_argument("--api-key", action="append", default=[], help="accepted bearer key (repeatable)")
-    ap.add_argument("--max-request-bytes", type=int, default=int(env("DSPARK_MAX_REQUEST_BYTES", 1 << 20)))
-    ap.add_argument("--max-concurrent", type=int, default=int(env("DSPARK_MAX_CONCURRENT", 256)),
+    ap.add_argument("--max-request-bytes", type=int, env="DSPARK_MAX_REQUEST_BYTES", default=1 << 20)
+    ap.add_argument("--max-concurrent", type=int, env="DSPARK_MAX_CONCURRENT", default=256,
                     help="upstream generations in flight (a request with n = 4 takes 4); more get 429")
-    ap.add_argument("--max-n", type=int, default=int(env("DSPARK_MAX_N", 16)), help="choices per request")
-    ap.add_argument("--upstream-timeout-s", type=float, default=float(env("DSPARK_UPSTREAM_TIMEOUT_S", 600)))
-    ap.add_argument("--log-level", default=env("DSPARK_LOG_LEVEL", "INFO"))
+    ap.add_argument("--max-n", type=int, env="DSPARK_MAX_N", default=16, help="choices per request")
+    ap.add_argument("--upstream-timeout-s", type=float, env="DSPARK_UPSTREAM_TIMEOUT_S", default=600)
+    ap.add_argument("--log-level", env="DSPARK_LOG_LEVEL", default="INFO")
     return ap.parse_args(argv)
 
 

@@ -31,30 +31,30 @@ log = logging.getLogger("scheduler_svc")
 
 def parse_args(argv=None):
     ap = common_parser(__doc__, port=50051)
-    ap.add_argument("--internal-port", type=int, default=int(env("DSPARK_INTERNAL_PORT", 50054)),
+    ap.add_argument("--internal-port", type=int, env="DSPARK_INTERNAL_PORT", default=50054,
                     help="port of the internal Scheduler service (verifiers register and report here)")
-    ap.add_argument("--redis-url", default=env("DSPARK_REDIS_URL", ""), help="empty = in-process store")
-    ap.add_argument("--redis-max-connections", type=int, default=int(env("DSPARK_REDIS_MAX_CONNECTIONS", 32)),
+    ap.add_argument("--redis-url", env="DSPARK_REDIS_URL", default="", help="empty = in-process store")
+    ap.add_argument("--redis-max-connections", type=int, env="DSPARK_REDIS_MAX_CONNECTIONS", default=32,
                     help="one pool for all of this replica's Redis calls; when all are busy, calls wait for one")
     ap.add_argument("--verifier-address-check", choices=["on", "off"],
-                    default=env("DSPARK_VERIFIER_ADDRESS_CHECK", "on"),
+                    env="DSPARK_VERIFIER_ADDRESS_CHECK", default="on",
                     help="on: a verifier's advertised IP must be the IP it calls from (off behind proxies/meshes)")
-    ap.add_argument("--verifiers", default=env("DSPARK_VERIFIERS", ""), help="static list host:port,host:port")
-    ap.add_argument("--discovery", default=env("DSPARK_DISCOVERY", "static"), choices=["static", "kubernetes"])
+    ap.add_argument("--verifiers", env="DSPARK_VERIFIERS", default="", help="static list host:port,host:port")
+    ap.add_argument("--discovery", env="DSPARK_DISCOVERY", default="static", choices=["static", "kubernetes"])
     ap.add_argument("--namespace", default=env("POD_NAMESPACE", "default"))
-    ap.add_argument("--verifier-selector", default=env("DSPARK_VERIFIER_SELECTOR", ""), help="pod label selector")
-    ap.add_argument("--verifier-service", default=env("DSPARK_VERIFIER_SERVICE", ""),
+    ap.add_argument("--verifier-selector", env="DSPARK_VERIFIER_SELECTOR", default="", help="pod label selector")
+    ap.add_argument("--verifier-service", env="DSPARK_VERIFIER_SERVICE", default="",
                     help="read this Service's EndpointSlices instead of pods")
-    ap.add_argument("--verifier-port", type=int, default=int(env("DSPARK_VERIFIER_PORT", 50052)))
+    ap.add_argument("--verifier-port", type=int, env="DSPARK_VERIFIER_PORT", default=50052)
     ap.add_argument("--heartbeat-ttl-s", type=float, default=3.0, help="a verifier silent this long is not routed to")
     ap.add_argument("--queue-timeout-s", type=float, default=60.0,
                     help="how long a request waits for a verifier with room before UNAVAILABLE")
     ap.add_argument("--calibration-refit-reports", type=int,
-                    default=int(env("DSPARK_CALIBRATION_REFIT_REPORTS", 500)),
+                    env="DSPARK_CALIBRATION_REFIT_REPORTS", default=500,
                     help="refit the STS temperatures after this many step reports ...")
-    ap.add_argument("--calibration-refit-s", type=float, default=float(env("DSPARK_CALIBRATION_REFIT_S", 30)),
+    ap.add_argument("--calibration-refit-s", type=float, env="DSPARK_CALIBRATION_REFIT_S", default=30,
                     help="... or after this many seconds with new reports, whichever comes first")
-    ap.add_argument("--calibration-min-samples", type=int, default=int(env("DSPARK_CALIBRATION_MIN_SAMPLES", 200)),
+    ap.add_argument("--calibration-min-samples", type=int, env="DSPARK_CALIBRATION_MIN_SAMPLES", default=200,
                     help="decided outcomes at block position 1 needed before the first fit")
     return ap.parse_args(argv)
 

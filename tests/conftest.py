@@ -78,3 +78,12 @@ def tiny_llama():
     cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
                       num_heads=4, num_kv_heads=2, head_dim=8)
     return Transformer(cfg).eval()
+
+
+@pytest.fixture(autouse=True)
+def fresh_peer_settings():
+    """A test that applies TLS or token flags in-process leaves no settings behind for the next."""
+    yield
+    from dspark.serving import config
+
+    config.reset_peer_settings()

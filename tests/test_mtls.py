@@ -8,6 +8,7 @@ the DSPARK_TLS_* environment.
 from __future__ import annotations
 
 import datetime
+import os
 import ipaddress
 
 import grpc
@@ -188,12 +189,12 @@ def test_tls_settings_are_checked_and_flags_win(tmp_path, monkeypatch):
     from dspark.serving import config
 
     for name in config.TLS_FLAGS.values():
-        monkeypatch.delenv(name, raising=False)  # also restores them after apply_tls wrote them
+        monkeypatch.delenv(name, raising=False)
     pki = make_pki(tmp_path, "unit")
     args = lambda **kw: argparse.Namespace(**{**dict.fromkeys(config.TLS_FLAGS, ""), **kw})  # noqa: E731
     with pytest.raises(SystemExit, match="go together"):
         config.apply_tls(args(tls_cert=str(pki["cert"])))
-    monkeypatch.delenv("DSPARK_TLS_CERT")
+    assert "DSPARK_TLS_CERT" not in os.environ and not config.peer_settings().tls_cert  # a refused flag left no trace
     with pytest.raises(SystemExit, match="mutual TLS needs"):
         config.apply_tls(args(tls_cert=str(pki["cert"]), tls_key=str(pki["key"]), tls_mutual="1"))
     with pytest.raises(SystemExit, match="no such file"):
@@ -203,3 +204,4 @@ def test_tls_settings_are_checked_and_flags_win(tmp_path, monkeypatch):
     assert config.server_credentials() is not None and config.mutual_tls()
     creds, options = config.channel_credentials()
     assert creds is not None and options == []  # no server name given
+    assert "DSPARK_TLS_CERT" not in os.environ  # the flags are the process's settings, not its environment

@@ -31,42 +31,42 @@ log = logging.getLogger("verifier_svc")
 
 def parse_args(argv=None):
     ap = common_parser(__doc__, port=50052)
-    ap.add_argument("--model", default=env("DSPARK_MODEL", DEFAULT_MODEL))
-    ap.add_argument("--drafter-addr", default=env("DSPARK_DRAFTER_ADDR", ""))
-    ap.add_argument("--scheduler-addr", default=env("DSPARK_SCHEDULER_ADDR", ""))
+    ap.add_argument("--model", env="DSPARK_MODEL", default=DEFAULT_MODEL)
+    ap.add_argument("--drafter-addr", env="DSPARK_DRAFTER_ADDR", default="")
+    ap.add_argument("--scheduler-addr", env="DSPARK_SCHEDULER_ADDR", default="")
     ap.add_argument("--verifier-id", default=env("DSPARK_VERIFIER_ID", env("POD_NAME", "")),
                     help="default: $POD_NAME, else host-port")
-    ap.add_argument("--advertise-addr", default=env("DSPARK_ADVERTISE_ADDR", ""),
+    ap.add_argument("--advertise-addr", env="DSPARK_ADVERTISE_ADDR", default="",
                     help="host:port the scheduler dials (default: $POD_IP or 127.0.0.1, with --port)")
     add_precision_flag(ap)
     add_device_flag(ap)
-    ap.add_argument("--max-batch", type=int, default=int(env("DSPARK_MAX_BATCH", 16)))
-    ap.add_argument("--max-len", type=int, default=int(env("DSPARK_MAX_LEN", 2048)))
-    ap.add_argument("--draft-len", type=int, default=int(env("DSPARK_DRAFT_LEN", -1)),
+    ap.add_argument("--max-batch", type=int, env="DSPARK_MAX_BATCH", default=16)
+    ap.add_argument("--max-len", type=int, env="DSPARK_MAX_LEN", default=2048)
+    ap.add_argument("--draft-len", type=int, env="DSPARK_DRAFT_LEN", default=-1,
                     help="draft tokens a request verifies per step when not scheduled, and per request while the "
                          "scheduler is silent (default: the drafter's block size)")
-    ap.add_argument("--schedule", choices=["on", "off"], default=env("DSPARK_SCHEDULE", "on"),
+    ap.add_argument("--schedule", choices=["on", "off"], env="DSPARK_SCHEDULE", default="on",
                     help="on: spend the scheduler's verify budget (two-step rule; --draft-len is the fallback); "
                          "off: always --draft-len per request")
-    ap.add_argument("--explore", type=float, default=float(env("DSPARK_EXPLORE", 0.05)),
+    ap.add_argument("--explore", type=float, env="DSPARK_EXPLORE", default=0.05,
                     help="share of requests that verify their whole block anyway (labels for low-confidence tails)")
-    ap.add_argument("--draft-probe-every", type=int, default=int(env("DSPARK_DRAFT_PROBE_EVERY", 16)),
+    ap.add_argument("--draft-probe-every", type=int, env="DSPARK_DRAFT_PROBE_EVERY", default=16,
                     help="while the scheduler's budget is 0 the drafter is skipped but for every N-th step, whose "
                          "confidences tell when drafting pays again (1 = draft every step)")
-    ap.add_argument("--budget-ttl-steps", type=int, default=int(env("DSPARK_BUDGET_TTL_STEPS", 100)),
+    ap.add_argument("--budget-ttl-steps", type=int, env="DSPARK_BUDGET_TTL_STEPS", default=100,
                     help="the scheduler's last budget stays in force this many steps without a fresh one ...")
-    ap.add_argument("--budget-ttl-s", type=float, default=float(env("DSPARK_BUDGET_TTL_S", 5)),
+    ap.add_argument("--budget-ttl-s", type=float, env="DSPARK_BUDGET_TTL_S", default=5,
                     help="... and this many seconds (both must pass), then --draft-len per request applies")
-    ap.add_argument("--sps-warmup-s", type=float, default=float(env("DSPARK_SPS_WARMUP_S", 10)),
+    ap.add_argument("--sps-warmup-s", type=float, env="DSPARK_SPS_WARMUP_S", default=10,
                     help="time budget of the SPS warm-up profile before serving (0 = none: live steps only)")
-    ap.add_argument("--report-interval-s", type=float, default=float(env("DSPARK_REPORT_INTERVAL_S", 0.5)),
+    ap.add_argument("--report-interval-s", type=float, env="DSPARK_REPORT_INTERVAL_S", default=0.5,
                     help="how often load and step reports go to the scheduler")
-    ap.add_argument("--default-max-tokens", type=int, default=int(env("DSPARK_DEFAULT_MAX_TOKENS", 256)))
-    ap.add_argument("--max-tokens-cap", type=int, default=int(env("DSPARK_MAX_TOKENS_CAP", 0)),
+    ap.add_argument("--default-max-tokens", type=int, env="DSPARK_DEFAULT_MAX_TOKENS", default=256)
+    ap.add_argument("--max-tokens-cap", type=int, env="DSPARK_MAX_TOKENS_CAP", default=0,
                     help="largest max_tokens a request may ask for (0 = --max-len); above it: INVALID_ARGUMENT")
-    ap.add_argument("--drafter-timeout-s", type=float, default=float(env("DSPARK_DRAFTER_TIMEOUT_S", 2.0)),
+    ap.add_argument("--drafter-timeout-s", type=float, env="DSPARK_DRAFTER_TIMEOUT_S", default=2.0,
                     help="deadline of one draft round trip; past it the step runs as plain decoding")
-    ap.add_argument("--drafter-wait-s", type=float, default=float(env("DSPARK_DRAFTER_WAIT_S", 120)),
+    ap.add_argument("--drafter-wait-s", type=float, env="DSPARK_DRAFTER_WAIT_S", default=120,
                     help="at startup, how long to wait for the drafter before serving without one")
     args = ap.parse_args(argv)
     args.verifier_id = args.verifier_id or f"{socket.gethostname()}-{args.port}"

@@ -1,8 +1,11 @@
-"""Flags with DSPARK_* environment defaults, and TLS credentials from the environment (docs/deploy.md)."""
+"""Flags with DSPARK_* environment defaults, and how the process talks to its peers: TLS and internal
+tokens (docs/deploy.md)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -16,36 +19,75 @@ def env(name: str, default=None):
     return value if value != "" else default
 
 
-def common_parser(description: str, port: int) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--port", type=int, default=int(env("DSPARK_PORT", port)), help="main gRPC port")
-    ap.add_argument("--health-port", type=int, default=int(env("DSPARK_HEALTH_PORT", 0)),
+TRUE = ("1", "true", "yes", "on")
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse where a flag names its environment variable too, `env="DSPARK_..."`: one place for
+    both, the variable's value as the default, and a bad value in either ends the process with a
+    message naming the flag and the variable (not a traceback)."""
+
+    def add_argument(self, *names, env: str | None = None, **kw):
+        return super().add_argument(*names, **self._from_env(names, env, kw))
+
+    def add_argument_group(self, *args, **kwargs):
+        group = super().add_argument_group(*args, **kwargs)
+        plain = group.add_argument
+        group.add_argument = lambda *names, env=None, **kw: plain(*names, **self._from_env(names, env, kw))
+        return group
+
+    def _from_env(self, names, env_name: str | None, kw: dict) -> dict:
+        if env_name is None:
+            return kw
+        kw["help"] = f"{kw.get('help', '')} [${env_name}]".strip()
+        raw = env(env_name)
+        if raw is None:
+            return kw
+        if kw.get("action") == "store_true":
+            kw["default"] = str(raw).lower() in TRUE
+            return kw
+        convert = kw.get("type", str)
+        try:
+            value = convert(raw)
+        except (TypeError, ValueError):
+            kind = getattr(convert, "__name__", convert)
+            self.error(f"${env_name}={raw!r} is not a valid value for {names[0]} ({kind})")
+        if kw.get("choices") is not None and value not in kw["choices"]:
+            self.error(f"${env_name}={raw!r} for {names[0]}: choose from {', '.join(map(str, kw['choices']))}")
+        kw["default"] = value
+        return kw
+
+
+def common_parser(description: str, port: int) -> FlagParser:
+    ap = FlagParser(description=description)
+    ap.add_argument("--port", type=int, env="DSPARK_PORT", default=port, help="main gRPC port")
+    ap.add_argument("--health-port", type=int, env="DSPARK_HEALTH_PORT", default=0,
                     help="plaintext port serving only grpc.health.v1 (0 = none)")
-    ap.add_argument("--metrics-port", type=int, default=int(env("DSPARK_METRICS_PORT", 0)),
+    ap.add_argument("--metrics-port", type=int, env="DSPARK_METRICS_PORT", default=0,
                     help="Prometheus /metrics port (0 = none)")
-    ap.add_argument("--host", default=env("DSPARK_HOST", "127.0.0.1"),
+    ap.add_argument("--host", env="DSPARK_HOST", default="127.0.0.1",
                     help="address to bind (loopback unless told otherwise; the chart sets the pod's address)")
-    ap.add_argument("--reflection", action="store_true", default=env("DSPARK_REFLECTION", "0") in ("1", "true"),
+    ap.add_argument("--reflection", action="store_true", env="DSPARK_REFLECTION", default=False,
                     help="serve gRPC server reflection (off: it lists every internal method to anyone)")
-    ap.add_argument("--max-message-mb", type=float, default=float(env("DSPARK_MAX_MESSAGE_MB", 4)),
+    ap.add_argument("--max-message-mb", type=float, env="DSPARK_MAX_MESSAGE_MB", default=4,
                     help="largest gRPC message accepted or sent, in MiB")
-    ap.add_argument("--grace-s", type=float, default=float(env("DSPARK_GRACE_S", 30)),
+    ap.add_argument("--grace-s", type=float, env="DSPARK_GRACE_S", default=30,
                     help="on SIGTERM: seconds in-flight requests get to finish")
-    ap.add_argument("--log-level", default=env("DSPARK_LOG_LEVEL", "INFO"))
+    ap.add_argument("--log-level", env="DSPARK_LOG_LEVEL", default="INFO")
     tls = ap.add_argument_group("TLS", "files in PEM; the flags override the DSPARK_TLS_* environment")
-    tls.add_argument("--tls-cert", default=env("DSPARK_TLS_CERT", ""), help="certificate (server and client)")
-    tls.add_argument("--tls-key", default=env("DSPARK_TLS_KEY", ""), help="its private key")
-    tls.add_argument("--tls-ca", default=env("DSPARK_TLS_CA", ""), help="CA that peers' certificates must chain to")
-    tls.add_argument("--tls-mutual", default=env("DSPARK_TLS_MUTUAL", "0"),
+    tls.add_argument("--tls-cert", env="DSPARK_TLS_CERT", default="", help="certificate (server and client)")
+    tls.add_argument("--tls-key", env="DSPARK_TLS_KEY", default="", help="its private key")
+    tls.add_argument("--tls-ca", env="DSPARK_TLS_CA", default="", help="CA that peers' certificates must chain to")
+    tls.add_argument("--tls-mutual", env="DSPARK_TLS_MUTUAL", default="0",
                      help="1: require and verify client certificates; present ours to peers")
-    tls.add_argument("--tls-server-name", default=env("DSPARK_TLS_SERVER_NAME", ""),
+    tls.add_argument("--tls-server-name", env="DSPARK_TLS_SERVER_NAME", default="",
                      help="name to verify in peers' certificates (peers are dialled by IP)")
     auth = ap.add_argument_group("internal plane", "who may call the Scheduler, Verifier and Drafter services")
-    auth.add_argument("--internal-token", default=env("DSPARK_INTERNAL_TOKEN", ""),
+    auth.add_argument("--internal-token", env="DSPARK_INTERNAL_TOKEN", default="",
                       help="shared secret(s), comma-separated: callers must send one; the first is sent to peers "
                            "(two during a rotation: new,old)")
     auth.add_argument("--insecure-internal", action="store_true",
-                      default=env("DSPARK_INSECURE_INTERNAL", "0") in ("1", "true"),
+                      env="DSPARK_INSECURE_INTERNAL", default=False,
                       help="allow an unauthenticated internal plane on a non-loopback address (never in production)")
     return ap
 
@@ -54,31 +96,73 @@ TLS_FLAGS = {"tls_cert": "DSPARK_TLS_CERT", "tls_key": "DSPARK_TLS_KEY", "tls_ca
              "tls_mutual": "DSPARK_TLS_MUTUAL", "tls_server_name": "DSPARK_TLS_SERVER_NAME"}
 
 
-def apply_tls(args) -> None:
-    """Make the TLS flags the process's settings and check them (SystemExit with the reason).
+@dataclass(frozen=True)
+class PeerSettings:
+    """How this process talks to its peers: TLS files and internal tokens. Taken from the DSPARK_*
+    environment until a service's flags set them (apply_tls, apply_auth); every channel and
+    server here reads them from `peer_settings()`, none from the environment."""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_mutual: bool = False
+    tls_server_name: str = ""
+    internal_tokens: tuple[str, ...] = ()  # the first is sent to peers; all are accepted
 
-    The flags are written back into the environment because channels to peers are opened in
-    several places (drafter link, scheduler reports, routing) and all read it from there."""
-    for attr, name in TLS_FLAGS.items():
-        value = getattr(args, attr, None)
-        if value:
-            os.environ[name] = str(value)
-    cert, key, ca = env("DSPARK_TLS_CERT"), env("DSPARK_TLS_KEY"), env("DSPARK_TLS_CA")
+    @classmethod
+    def from_env(cls) -> PeerSettings:
+        return cls(env("DSPARK_TLS_CERT", ""), env("DSPARK_TLS_KEY", ""), env("DSPARK_TLS_CA", ""),
+                   str(env("DSPARK_TLS_MUTUAL", "0")).lower() in TRUE, env("DSPARK_TLS_SERVER_NAME", ""),
+                   split_tokens(env("DSPARK_INTERNAL_TOKEN", "")))
+
+
+_settings: PeerSettings | None = None
+
+
+def peer_settings() -> PeerSettings:
+    global _settings
+    if _settings is None:
+        _settings = PeerSettings.from_env()
+    return _settings
+
+
+def reset_peer_settings() -> None:
+    """Forget what flags set: read the environment again (tests)."""
+    global _settings
+    _settings = None
+
+
+def split_tokens(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in str(text).split(",") if t.strip())
+
+
+def apply_tls(args) -> None:
+    """Make the TLS flags (over the environment) the process's settings and check them
+    (SystemExit with the reason)."""
+    global _settings
+    flags = {attr: getattr(args, attr, None) for attr in TLS_FLAGS}
+    current = peer_settings()
+    settings = dataclasses.replace(
+        current, **{attr: value for attr, value in flags.items() if value and attr != "tls_mutual"})
+    if flags["tls_mutual"]:
+        settings = dataclasses.replace(settings, tls_mutual=str(flags["tls_mutual"]).lower() in TRUE)
+    cert, key, ca = settings.tls_cert, settings.tls_key, settings.tls_ca
     if bool(cert) != bool(key):
         raise SystemExit("TLS: --tls-cert and --tls-key (DSPARK_TLS_CERT/KEY) go together")
-    if mutual_tls() and not (cert and ca):
+    if settings.tls_mutual and not (cert and ca):
         raise SystemExit("mutual TLS needs a certificate, its key and the CA to verify peers with")
     for path in filter(None, (cert, key, ca)):
         if not Path(path).is_file():
             raise SystemExit(f"TLS: no such file {path}")
+    _settings = settings
 
 
 def apply_auth(args) -> None:
-    """Make --internal-token the process's setting (channels to peers read it from the environment)
-    and refuse an unauthenticated internal plane reachable from other machines."""
+    """Make --internal-token the process's setting and refuse an unauthenticated internal plane
+    reachable from other machines."""
+    global _settings
     token = getattr(args, "internal_token", "")
     if token:
-        os.environ["DSPARK_INTERNAL_TOKEN"] = token
+        _settings = dataclasses.replace(peer_settings(), internal_tokens=split_tokens(token))
     if internal_tokens() or mutual_tls() or getattr(args, "insecure_internal", False):
         return
     if not is_loopback(args.host):
@@ -87,7 +171,7 @@ def apply_auth(args) -> None:
 
 
 def internal_tokens() -> list[str]:
-    return [t.strip() for t in str(env("DSPARK_INTERNAL_TOKEN", "")).split(",") if t.strip()]
+    return list(peer_settings().internal_tokens)
 
 
 def bind_address(host: str, port: int) -> str:
@@ -100,7 +184,7 @@ def is_loopback(host: str) -> bool:
 
 
 def mutual_tls() -> bool:
-    return str(env("DSPARK_TLS_MUTUAL", "0")).lower() in ("1", "true", "yes")
+    return peer_settings().tls_mutual
 
 
 def message_options(max_message_mb: float) -> list[tuple[str, int]]:
@@ -109,18 +193,18 @@ def message_options(max_message_mb: float) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
 
 
-def _read(name: str) -> bytes | None:
-    path = env(name)
+def _read(path: str) -> bytes | None:
     return Path(path).read_bytes() if path else None
 
 
 def server_credentials() -> grpc.ServerCredentials | None:
-    """TLS from DSPARK_TLS_CERT/KEY (+ DSPARK_TLS_CA, DSPARK_TLS_MUTUAL=1 to require client certs)."""
-    cert, key = _read("DSPARK_TLS_CERT"), _read("DSPARK_TLS_KEY")
+    """TLS from the certificate and key (+ the CA, and mutual TLS to require client certificates)."""
+    settings = peer_settings()
+    cert, key = _read(settings.tls_cert), _read(settings.tls_key)
     if not cert or not key:
         return None
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=_read("DSPARK_TLS_CA"),
-                                       require_client_auth=mutual_tls())
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=_read(settings.tls_ca),
+                                       require_client_auth=settings.tls_mutual)
 
 
 def channel_credentials() -> tuple[grpc.ChannelCredentials | None, list[tuple[str, str]]]:
@@ -128,13 +212,14 @@ def channel_credentials() -> tuple[grpc.ChannelCredentials | None, list[tuple[st
 
     TLS as soon as a CA or a certificate is configured (our servers then speak TLS too); no CA
     means the system's roots. With mutual TLS our certificate goes along as the client's."""
-    ca = _read("DSPARK_TLS_CA")
-    if not ca and not env("DSPARK_TLS_CERT"):
+    settings = peer_settings()
+    ca = _read(settings.tls_ca)
+    if not ca and not settings.tls_cert:
         return None, []
-    mutual = mutual_tls()
-    creds = grpc.ssl_channel_credentials(ca, _read("DSPARK_TLS_KEY") if mutual else None,
-                                         _read("DSPARK_TLS_CERT") if mutual else None)
-    name = env("DSPARK_TLS_SERVER_NAME")
+    mutual = settings.tls_mutual
+    creds = grpc.ssl_channel_credentials(ca, _read(settings.tls_key) if mutual else None,
+                                         _read(settings.tls_cert) if mutual else None)
+    name = settings.tls_server_name
     return creds, [("grpc.ssl_target_name_override", name)] if name else []
 
 

@@ -85,8 +85,8 @@ class GrpcApp:
 
     def _server(self, services: list[tuple], internal: bool, port: int) -> grpc.aio.Server:
         """One port: its services, health, reflection when asked for, behind the guard."""
-        guard = ServerGuard(internal, config.internal_tokens(), config.env("DSPARK_TLS_SERVER_NAME", "")
-                            if config.mutual_tls() else "")
+        settings = config.peer_settings()
+        guard = ServerGuard(internal, config.internal_tokens(), settings.tls_server_name if settings.tls_mutual else "")
         server = grpc.aio.server(options=config.message_options(self.args.max_message_mb), interceptors=[guard])
         names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
         for add, servicer, full_name in services:
