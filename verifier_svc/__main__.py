@@ -23,7 +23,7 @@ from verifier_svc.budget_control import BudgetControl
 from verifier_svc.remote_drafter import RemoteDrafter
 from verifier_svc.reporter import SchedulerReporter, make_load
 from verifier_svc.runner import EngineRunner
-from verifier_svc.service import GenerationService, VerifierCore, VerifierService
+from verifier_svc.service import CoreSlot, GenerationService, VerifierCore, VerifierService
 from verifier_svc.step_spans import StepSpans
 
 log = logging.getLogger("verifier_svc")
@@ -75,20 +75,21 @@ def parse_args(argv=None):
 
 
 async def serve(args) -> None:
-    core = VerifierCore(args.default_max_tokens, args.max_tokens_cap)
+    slot = CoreSlot()
     if args.draft_probe_every < 1:
         raise SystemExit("--draft-probe-every must be >= 1")
     control = BudgetControl(args.explore, args.budget_ttl_steps, args.budget_ttl_s, args.sps_warmup_s,
                               args.draft_probe_every)
 
     def load_fn():
+        core = slot.core
         return control.fill_load(make_load(args.verifier_id, core.runner, args.max_batch, args.max_len,
                                            core.model_name))
 
 
     app = GrpcApp("verifier", args, [
-        (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(core), "dspark.v1.Generation"),
-        (verifier_pb2_grpc.add_VerifierServicer_to_server, VerifierService(core, load_fn, control.apply),
+        (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(slot), "dspark.v1.Generation"),
+        (verifier_pb2_grpc.add_VerifierServicer_to_server, VerifierService(slot, load_fn, control.apply),
          "dspark.v1.Verifier"),
     ])
     await app.start()
@@ -137,11 +138,10 @@ async def serve(args) -> None:
         runner.step_spans = StepSpans()
         if drafter is not None:
             drafter.trace_context = runner.step_spans.carrier
-    core.tokenizer, core.model_name, core.max_len = loaded.tokenizer, loaded.name, args.max_len
-    core.vocab_size = loaded.model.config.vocab_size
-    core.drafter_info = drafter.info if drafter is not None else None
     runner.start()
-    core.runner = runner
+    slot.core = VerifierCore(runner, loaded.tokenizer, loaded.name, args.max_len, loaded.model.config.vocab_size,
+                             drafter.info if drafter is not None else None, args.default_max_tokens,
+                             args.max_tokens_cap)
     if reporter is not None:
         reporter.start()
         app.on_shutdown.insert(0, reporter.close)

@@ -48,21 +48,15 @@ def metrics_proto(m: SpecMetrics | None, prompt_tokens: int, generated: int,
 
 
 class VerifierCore:
-    """Everything Generate needs; the engine-side objects are set once the model is loaded."""
+    """Everything Generate needs, built whole once the model is loaded and the engine runs."""
 
-    def __init__(self, default_max_tokens: int, max_tokens_cap: int = 0):
+    def __init__(self, runner, tokenizer, model_name: str, max_len: int, vocab_size: int, drafter_info,
+                 default_max_tokens: int, max_tokens_cap: int = 0):
+        self.runner, self.tokenizer, self.model_name = runner, tokenizer, model_name
+        self.max_len, self.vocab_size = max_len, vocab_size
+        self.drafter_info = drafter_info  # DrafterInfoResponse or None (no drafter)
         self.default_max_tokens = default_max_tokens
         self.max_tokens_cap = max_tokens_cap  # 0 = the context length
-        self.runner = None
-        self.tokenizer = None
-        self.model_name = ""
-        self.max_len = 0
-        self.vocab_size = 0
-        self.drafter_info = None  # DrafterInfoResponse or None (no drafter)
-
-    @property
-    def ready(self) -> bool:
-        return self.runner is not None
 
     def model_info(self) -> pb.ModelInfo:
         d = self.drafter_info
@@ -84,8 +78,6 @@ class VerifierCore:
                 yield chunk
 
     async def _generate(self, request: pb.GenerateRequest, resume: verifier_pb2.ResumeInfo | None, context, span):
-        if not self.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
         started = time.perf_counter()
         if resume is None and request.HasField("resume"):  # a client's retry sent straight here
             resume = verifier_pb2.ResumeInfo(streamed_token_ids=request.resume.streamed_token_ids,
@@ -153,27 +145,41 @@ class VerifierCore:
                 self.runner.cancel(job)
 
 
+class CoreSlot:
+    """Where the services find the VerifierCore: empty while the model loads (calls then get
+    UNAVAILABLE), then the whole core, set once."""
+
+    def __init__(self):
+        self.core: VerifierCore | None = None
+
+    async def get(self, context) -> VerifierCore:
+        if self.core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+        return self.core
+
+
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, core: VerifierCore):
-        self.core = core
+    def __init__(self, slot: CoreSlot):
+        self.slot = slot
 
     async def Generate(self, request, context):
-        async for chunk in self.core.generate(request, None, context):
+        core = await self.slot.get(context)
+        async for chunk in core.generate(request, None, context):
             yield chunk
 
     async def ListModels(self, request, context):
-        if not self.core.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
-        return pb.ListModelsResponse(models=[self.core.model_info()])
+        core = await self.slot.get(context)
+        return pb.ListModelsResponse(models=[core.model_info()])
 
 
 class VerifierService(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, core: VerifierCore, load_fn, apply_budget):
-        self.core, self.load_fn, self.apply_budget = core, load_fn, apply_budget
+    def __init__(self, slot: CoreSlot, load_fn, apply_budget):
+        self.slot, self.load_fn, self.apply_budget = slot, load_fn, apply_budget
 
     async def Generate(self, request, context):
+        core = await self.slot.get(context)
         resume = request.resume if request.HasField("resume") else None
-        async for chunk in self.core.generate(request.request, resume, context):
+        async for chunk in core.generate(request.request, resume, context):
             yield chunk
 
     async def SetVerifyBudget(self, request, context):
@@ -181,6 +187,5 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.SetVerifyBudgetResponse()
 
     async def GetLoad(self, request, context):
-        if not self.core.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+        await self.slot.get(context)
         return self.load_fn()
