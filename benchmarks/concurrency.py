@@ -9,7 +9,8 @@ All configurations run at once, each as its own scheduler + verifier (sharing on
 service), so they are measured side by side. Every stack first serves some traffic unmeasured
 (steady state: the online calibration and the live SPS tables have learned); then each
 concurrency level warms every stack up at that load (unmeasured), then runs `--repeats` rounds
-over the stacks in rotating order and keeps each stack's median round. A round is `c` client threads, each sending its requests one after another
+over the stacks in rotating order and keeps each stack's median round. A round is `c` client threads, each sending
+its requests one after another
 (closed loop); greedy, prompts from datasets/eval (first turns). The drafter is the
 shipped DSpark checkpoint. Prints the table, checks that every configuration produced the same
 greedy text (lossless), writes benchmarks/results/concurrency.{json,png}.
@@ -175,8 +176,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from dspark.drafters.shipped import default_drafter_dir
     from service_helpers import start_drafter, wait_serving
+
+    from dspark.drafters.shipped import default_drafter_dir
 
     checkpoint = args.drafter or str(default_drafter_dir(args.model))
     prompts = eval_prompts(max(args.concurrency) * args.requests_per_client, args.eval_dir)

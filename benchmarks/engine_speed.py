@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from plotting import grouped_bars
 
-from dspark.models.batch import VarlenBatch
-from dspark.engine.generate import Engine
 from dspark.drafters.shipped import load_drafter_for
+from dspark.engine.generate import Engine
+from dspark.models.batch import VarlenBatch
 from dspark.models.loader import default_gguf_path, load_model
 from dspark.models.threads import configure_threads
 from dspark.sampling import SamplingParams

@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     base = best["gRPC SDK"][0]
     print(f"\n{args.concurrency} concurrent streaming requests, max_tokens={args.max_tokens}, greedy; "
           f"best of {args.rounds} rounds\n")
-    print(f"| path | tokens/s (best) | tokens/s (all rounds) | errors | vs SDK |")
+    print("| path | tokens/s (best) | tokens/s (all rounds) | errors | vs SDK |")
     print("|---|---|---|---|---|")
     for name, (rate, *_rest) in best.items():
         all_rates = ", ".join(f"{r[0]:.1f}" for r in rounds[name])

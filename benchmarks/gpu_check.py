@@ -17,9 +17,9 @@ import time
 import torch
 
 from dspark.device import add_device_flag, describe, device_or_exit, synchronize
-from dspark.models.batch import VarlenBatch
-from dspark.engine.generate import Engine
 from dspark.drafters.shipped import load_drafter_for
+from dspark.engine.generate import Engine
+from dspark.models.batch import VarlenBatch
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.sampling import SamplingParams
 from dspark.speculative.engine import SpecEngine
@@ -149,7 +149,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=20, help="curve: timed rounds")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    {"parity": parity, "identity": identity, "curve": curve, "speed": speed}[args.check](args, device_or_exit(args.device, "gpu_check"))
+    check = {"parity": parity, "identity": identity, "curve": curve, "speed": speed}[args.check]
+    check(args, device_or_exit(args.device, "gpu_check"))
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from plotting import grouped_bars
 
-from dspark.models.batch import VarlenBatch
 from dspark.engine.generate import Engine
+from dspark.models.batch import VarlenBatch
 from dspark.models.loader import load_model
 from dspark.models.threads import configure_threads
 from dspark.sampling import SamplingParams

@@ -77,9 +77,16 @@ class Worker(threading.Thread):
 
 
 def start_services(args, log_dir: Path):
+    from service_helpers import (
+        RedisServer,
+        start_drafter,
+        start_scheduler,
+        start_verifier,
+        wait_registered,
+        wait_serving,
+    )
+
     from dspark.drafters.shipped import default_drafter_dir
-    from service_helpers import (RedisServer, start_drafter, start_scheduler, start_verifier, wait_registered,
-                                 wait_serving)
 
     redis_server = RedisServer().start()
     checkpoint = str(default_drafter_dir(args.model) or "")

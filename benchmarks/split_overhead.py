@@ -52,9 +52,15 @@ def in_process(model_name: str, checkpoint: str, messages, max_tokens: int) -> d
 
 
 def split(model_name: str, checkpoint: str, messages, max_tokens: int, log_dir: Path) -> dict:
-    from dspark_client.types import collect
-    from service_helpers import (StreamThread, free_port, start_drafter, start_scheduler, start_verifier,
-                                 wait_registered, wait_serving)
+    from service_helpers import (
+        StreamThread,
+        free_port,
+        start_drafter,
+        start_scheduler,
+        start_verifier,
+        wait_registered,
+        wait_serving,
+    )
 
     metrics_port = free_port()
     drafter, d_addr = start_drafter(model_name, log_dir, checkpoint=checkpoint, gamma=7, num_layers=2)

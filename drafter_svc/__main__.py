@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
+from drafter_svc.service import DrafterService
+from dspark.device import add_device_flag, describe, device_or_exit
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.drafters.checkpoint import load_calibration, load_config, load_drafter
 from dspark.models.config import spread_layers
-from dspark.device import add_device_flag, describe, device_or_exit
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag, apply_precision
 from dspark.models.threads import configure_threads
@@ -23,7 +24,6 @@ from dspark.proto_gen.v1 import drafter_pb2_grpc
 from dspark.serving import metrics
 from dspark.serving.config import common_parser, env
 from dspark.serving.server import GrpcApp, setup_logging
-from drafter_svc.service import DrafterService
 
 log = logging.getLogger("drafter_svc")
 

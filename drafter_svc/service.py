@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
+from drafter_svc.contexts import Limits, answer
 from dspark.proto_gen.v1 import drafter_pb2, drafter_pb2_grpc
 from dspark.serving import metrics, tracing
 from dspark.wire import WireError, tensor_to_proto
-from drafter_svc.contexts import Limits, answer
 
 log = logging.getLogger(__name__)
 

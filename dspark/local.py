@@ -25,9 +25,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dspark.device import add_device_flag, device_or_exit
 from dspark.drafters.shipped import default_drafter_dir
 from dspark.models.loader import DEFAULT_MODEL
-from dspark.device import add_device_flag, device_or_exit
 from dspark.models.precision import add_precision_flag
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,10 +88,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device_or_exit(args.device, "local")  # a missing GPU fails here, before three services start
 
+    import tempfile
+
     from dspark_client import Client
     from dspark_client.types import collect
-
-    import tempfile
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="dspark-local-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = args.drafter or str(default_drafter_dir(args.model) or "")

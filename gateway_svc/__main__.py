@@ -11,10 +11,10 @@ import argparse
 import logging
 
 import uvicorn
+from dspark_client import AsyncClient, TlsConfig
 
 from dspark.serving import tracing
 from dspark.serving.config import FlagParser, env, mutual_tls
-from dspark_client import AsyncClient, TlsConfig
 
 from .app import Gateway, Limits, create_app
 from .auth import configured_keys

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dspark_client import AsyncClient, DSparkError
 from opentelemetry import propagate
 from opentelemetry.trace import INVALID_SPAN, SpanKind, Status, StatusCode
 from starlette.applications import Starlette
@@ -17,7 +18,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from dspark.serving import tracing
-from dspark_client import AsyncClient, DSparkError
 
 from . import openai_response as out
 from .auth import check_authorization

@@ -15,12 +15,12 @@ import asyncio
 import logging
 import threading
 
-from scheduler_svc.k8s_discovery import make_discovery
 from dspark.proto_gen.v1 import generation_pb2_grpc, scheduler_pb2_grpc
 from dspark.serving.config import common_parser, env
 from dspark.serving.server import GrpcApp, setup_logging
-from scheduler_svc.calibration_store import make_calibration_store
 from scheduler_svc.budget_planner import BudgetPlanner
+from scheduler_svc.calibration_store import make_calibration_store
+from scheduler_svc.k8s_discovery import make_discovery
 from scheduler_svc.online_calibration import OnlineCalibrator
 from scheduler_svc.registry import Registry
 from scheduler_svc.service import GenerationService, Router, SchedulerService

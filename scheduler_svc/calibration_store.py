@@ -64,7 +64,7 @@ class Fit:
                 "fitted_at": repr(self.fitted_at)}
 
     @classmethod
-    def from_fields(cls, fields: dict) -> "Fit | None":
+    def from_fields(cls, fields: dict) -> Fit | None:
         if not fields or int(fields.get("version", 0)) <= 0 or "temperatures" not in fields:
             return None
         return cls(int(fields["version"]), json.loads(fields["temperatures"]), json.loads(fields["samples"]),

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 

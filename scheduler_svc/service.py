@@ -16,8 +16,8 @@ import grpc
 import numpy as np
 import torch
 
-from dspark.proto_gen.v1 import (generation_pb2 as pb, generation_pb2_grpc, load_pb2, scheduler_pb2_grpc,
-                                 verifier_pb2, verifier_pb2_grpc)
+from dspark.proto_gen.v1 import generation_pb2 as pb
+from dspark.proto_gen.v1 import generation_pb2_grpc, load_pb2, scheduler_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from dspark.serving import metrics, tracing
 from dspark.serving.config import aio_channel
 from dspark.serving.guard import caller_identity

@@ -48,10 +48,10 @@ def registration_refusal(existing: dict | None, live: bool, address: str, identi
     host = address_host(address)
     if check_address and _ip(host) is not None and not same_host(host, peer):
         return f"advertised address {address} is not the caller's own ({peer})"
-    if existing is not None and live:
-        if existing.get("address") != address or caller_refusal(existing, identity, peer):
-            return (f"verifier id {existing.get('verifier_id')!r} is live at {existing.get('address')}; "
-                    "a registration from elsewhere is refused")
+    if existing is not None and live and (existing.get("address") != address
+                                          or caller_refusal(existing, identity, peer)):
+        return (f"verifier id {existing.get('verifier_id')!r} is live at {existing.get('address')}; "
+                "a registration from elsewhere is refused")
     return None
 
 

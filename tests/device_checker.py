@@ -61,16 +61,16 @@ class DeviceChecker(TorchFunctionMode):
         raise DeviceViolation(message)
 
     def _check_factory(self, func, args, kwargs) -> None:
-        if func in (torch.tensor, torch.as_tensor) and args and isinstance(args[0], torch.Tensor):
-            if kwargs.get("device") is None:
-                return  # wraps an existing tensor: it stays where it is
+        if (func in (torch.tensor, torch.as_tensor) and args and isinstance(args[0], torch.Tensor)
+                and kwargs.get("device") is None):
+            return  # wraps an existing tensor: it stays where it is
         self.factory_calls += 1
         generator = kwargs.get("generator")
         if kwargs.get("pin_memory"):
             return  # host staging buffer for a non-blocking copy
-        if generator is not None and kwargs.get("device") in (None, generator.device, str(generator.device)):
-            if generator.device.type == "cpu" or generator.device == self.device:
-                return  # a draw from a request's (CPU) generator
+        if (generator is not None and kwargs.get("device") in (None, generator.device, str(generator.device))
+                and (generator.device.type == "cpu" or generator.device == self.device)):
+            return  # a draw from a request's (CPU) generator
         device = kwargs.get("device")
         if device is None:
             self._fail(f"torch.{_name(func)} without device=: it lands on the CPU whatever device the model uses")

@@ -60,7 +60,8 @@ class Service:
         self.module, self.args = module, args
         self.name = name or module
         self.log_path = log_dir / f"{self.name}-{int(time.time() * 1000) % 10**8}.log"
-        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", DSPARK_INTERNAL_TOKEN=os.environ.get("DSPARK_INTERNAL_TOKEN", TOKEN),
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                        DSPARK_INTERNAL_TOKEN=os.environ.get("DSPARK_INTERNAL_TOKEN", TOKEN),
                         **(env or {}))
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=full_env,
@@ -146,8 +147,11 @@ def start_scheduler(log_dir: Path, verifiers: list[str], redis_url: str = "", po
 
 def wait_registered(scheduler: str, count: int, timeout: float = 60) -> None:
     """Until the scheduler routes to `count` verifiers (ListModels lists models of live ones only)."""
-    from dspark.proto_gen.v1 import generation_pb2, generation_pb2_grpc
-    from dspark.proto_gen.v1 import verifier_pb2_grpc  # noqa: F401  (registers descriptors)
+    from dspark.proto_gen.v1 import (
+        generation_pb2,
+        generation_pb2_grpc,
+        verifier_pb2_grpc,  # noqa: F401  (registers descriptors)
+    )
 
     def live() -> bool:
         with grpc.insecure_channel(scheduler) as channel:
@@ -172,7 +176,7 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
                                       "--save", "", "--appendonly", "no"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -215,7 +219,7 @@ class StreamThread:
         self.thread.start()
 
     def _run(self) -> None:
-        from dspark_client import Client, RetryPolicy
+        from dspark_client import Client
 
         try:
             with Client(self.address, timeout=300, retry=self.retry, metadata=AUTH) as client:

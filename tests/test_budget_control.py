@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from spec_helpers import tiny_target
+from test_calibration import GAMMA, overconfident_traffic
 
 from dspark.engine.generate import Engine
 from dspark.proto_gen.v1 import load_pb2, tensor_pb2
@@ -18,8 +20,6 @@ from dspark.sched.verify_budget import calibrated_survival, verify_budget
 from scheduler_svc.budget_planner import BudgetPlanner, seconds_table
 from scheduler_svc.calibration_store import Fit, MemoryCalibrationStore
 from scheduler_svc.online_calibration import OnlineCalibrator
-from spec_helpers import tiny_target
-from test_calibration import GAMMA, overconfident_traffic
 from verifier_svc.budget_control import BudgetControl
 from verifier_svc.sps_profile import profile_token_counts, warmup_profile
 

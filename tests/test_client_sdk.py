@@ -18,7 +18,6 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
 from dspark_client import (
     AsyncClient,
     ChatMessage,
@@ -150,14 +149,16 @@ async def test_sync_client_streams_chat_and_token_prompts():
 
     def use_sync_client(address):
         with Client(address) as client:
-            chat = list(client.generate_stream(messages=[ChatMessage("system", "be brief"), {"role": "user", "content": "hi there"}]))
+            chat = list(client.generate_stream(
+                messages=[ChatMessage("system", "be brief"), {"role": "user", "content": "hi there"}]))
             tokens = client.generate(token_ids=[5, 6], max_tokens=1, speculation=False)
         return chat, tokens
 
     async with serving(fake) as address:
         chat, tokens = await asyncio.to_thread(use_sync_client, address)
     assert "".join(c.text for c in chat) == "turn1: hi there "
-    assert [(m.role, m.content) for m in fake.requests[0].messages.messages] == [("system", "be brief"), ("user", "hi there")]
+    sent = [(m.role, m.content) for m in fake.requests[0].messages.messages]
+    assert sent == [("system", "be brief"), ("user", "hi there")]
     assert tokens.text == "t5 " and tokens.finish_reason == FinishReason.LENGTH
     assert list(fake.requests[1].token_ids.ids) == [5, 6] and fake.requests[1].speculation.disable
 
@@ -176,7 +177,8 @@ async def test_deadline_exceeded_is_a_clear_error():
     fake = FakeGeneration(delay=5.0)
     async with serving(fake) as address, AsyncClient(address, retry=FAST_RETRY) as client:
         start = time.monotonic()
-        with pytest.raises(DeadlineExceeded, match=r"deadline exceeded: no complete answer from .* within 0.3 s \(0 tokens received\)") as info:
+        within = r"deadline exceeded: no complete answer from .* within 0.3 s \(0 tokens received\)"
+        with pytest.raises(DeadlineExceeded, match=within) as info:
             await client.generate("slow", timeout=0.3)
         assert time.monotonic() - start < 3.0
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -278,7 +280,7 @@ async def test_server_down_is_unavailable():
 # ---- TLS -------------------------------------------------------------------------------------
 
 def _certificate(subject: str, key, issuer_name, issuer_key, *, ca=False, usage=None, san=None):
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))

@@ -4,7 +4,8 @@ Drafter (random DSpark: it has confidences), scheduler (two-step rule + online S
 and verifier run as processes on a tiny target. The verifier's default is --draft-len=0, so any
 draft token it verifies was admitted under a verify budget that came from the scheduler; --explore=0 so
 nothing else adds drafts; --draft-probe-every=1 so the verifier drafts every step (on a tiny target
-the drafter round trip costs more than it saves, and a budget of 0 would rightly skip it). Outputs must equal in-process plain greedy decoding throughout, also
+the drafter round trip costs more than it saves, and a budget of 0 would rightly skip it). Outputs must equal
+in-process plain greedy decoding throughout, also
 after the scheduler is killed (last budget, then the --draft-len default).
 
 The tests share one cluster and run in file order: the last one kills the scheduler.
@@ -14,14 +15,24 @@ from __future__ import annotations
 import time
 import urllib.request
 
-import grpc
 import pytest
+from service_helpers import (
+    RedisServer,
+    StreamThread,
+    free_port,
+    internal_channel,
+    start_drafter,
+    start_scheduler,
+    start_verifier,
+    wait_registered,
+    wait_serving,
+    wait_until,
+    write_tiny_target,
+)
+from spec_helpers import greedy_reference
 
 from dspark.models.loader import load_model
 from dspark.proto_gen.v1 import verifier_pb2, verifier_pb2_grpc
-from service_helpers import (RedisServer, internal_channel, StreamThread, free_port, start_drafter, start_scheduler, start_verifier,
-                             wait_registered, wait_serving, wait_until, write_tiny_target)
-from spec_helpers import greedy_reference
 
 pytestmark = pytest.mark.slow
 # Prompts whose greedy continuation (600 tokens) on the tiny target never has a top-2 logit gap

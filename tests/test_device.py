@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from dspark.device import DeviceUnavailable, host_values, resolve_device
-from dspark.models.batch import VarlenBatch
 from dspark.engine.generate import Engine
+from dspark.models.batch import VarlenBatch
 from dspark.models.precision import CudaBf16Linear, resolve_precision
 from dspark.sampling import SamplingParams
 from dspark.speculative.engine import SpecEngine
@@ -82,23 +82,19 @@ def test_commands_refuse_a_gpu_they_have_not_got(module, who, flags):
 # ---- the checker itself ------------------------------------------------------------------------
 def test_checker_catches_stray_tensors():
     device = torch.device("cpu")
-    with pytest.raises(DeviceViolation, match="torch.zeros without device="):
-        with DeviceChecker(device):
-            torch.zeros(3)
-    with pytest.raises(DeviceViolation, match="torch.arange\\(device=meta\\)"):
-        with DeviceChecker(device):
-            torch.arange(4, device="meta")
+    with pytest.raises(DeviceViolation, match="torch.zeros without device="), DeviceChecker(device):
+        torch.zeros(3)
+    with pytest.raises(DeviceViolation, match="torch.arange\\(device=meta\\)"), DeviceChecker(device):
+        torch.arange(4, device="meta")
     elsewhere = torch.ones(2, device="meta")  # made outside the step
-    with pytest.raises(DeviceViolation, match="mixes tensors on \\['cpu', 'meta'\\]"):
-        with DeviceChecker(device):
-            torch.ones(2, device=device) + elsewhere
+    with pytest.raises(DeviceViolation, match="mixes tensors on \\['cpu', 'meta'\\]"), DeviceChecker(device):
+        torch.ones(2, device=device) + elsewhere
     # A violation the code under test swallows still fails the check on exit.
-    with pytest.raises(DeviceViolation, match="torch.tensor without device="):
-        with DeviceChecker(device):
-            try:
-                torch.tensor([1, 2])
-            except DeviceViolation:
-                pass
+    with pytest.raises(DeviceViolation, match="torch.tensor without device="), DeviceChecker(device):
+        try:
+            torch.tensor([1, 2])
+        except DeviceViolation:
+            pass
 
 
 def test_checker_allows_what_the_design_allows():
@@ -117,9 +113,8 @@ def test_checker_catches_a_stray_tensor_planted_in_a_real_step(monkeypatch):
     engine.add(prompts_of([5])[0], SamplingParams(max_tokens=3))
     # The bug this file guards against: one index tensor built without the model's device.
     monkeypatch.setattr(VarlenBatch, "last_rows", lambda self: torch.tensor([sum(self.lens) - 1]))
-    with pytest.raises(DeviceViolation, match="torch.tensor without device="):
-        with DeviceChecker(DEVICE):
-            engine.step()
+    with pytest.raises(DeviceViolation, match="torch.tensor without device="), DeviceChecker(DEVICE):
+        engine.step()
 
 
 # ---- the engines and drafters on an explicit device ---------------------------------------------
@@ -185,8 +180,8 @@ def test_real_target_and_shipped_drafter_stay_on_the_device():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_training_step_stays_on_the_device(kind):
-    from dspark.train.dataset import Sequence, target_features
     from dspark.train.config import TrainConfig
+    from dspark.train.dataset import Sequence, target_features
     from dspark.train.trainer import TargetLSE, sequence_loss, sequence_to
 
     target = tiny_target().to(DEVICE)

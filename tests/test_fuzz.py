@@ -18,13 +18,23 @@ import random
 import grpc
 import pytest
 import torch
-from google.protobuf.descriptor import FieldDescriptor
-
-from dspark.proto_gen.v1 import drafter_pb2, generation_pb2 as pb, load_pb2, scheduler_pb2, verifier_pb2
-from dspark.wire import tensor_to_proto
 from dspark_client import Client
-from service_helpers import (TOKEN, internal_address, start_drafter, start_scheduler, start_verifier, wait_registered,
-                             wait_serving, wait_until, write_tiny_target)
+from google.protobuf.descriptor import FieldDescriptor
+from service_helpers import (
+    TOKEN,
+    internal_address,
+    start_drafter,
+    start_scheduler,
+    start_verifier,
+    wait_registered,
+    wait_serving,
+    wait_until,
+    write_tiny_target,
+)
+
+from dspark.proto_gen.v1 import drafter_pb2, load_pb2, scheduler_pb2, verifier_pb2
+from dspark.proto_gen.v1 import generation_pb2 as pb
+from dspark.wire import tensor_to_proto
 
 pytestmark = pytest.mark.slow
 PER_RPC = 100
@@ -77,8 +87,9 @@ def valid_messages(cluster) -> list[tuple[str, str, str, bytes]]:
     register = scheduler_pb2.RegisterVerifierRequest(
         address=f"127.0.0.1:{cluster['verifier'].rsplit(':', 1)[1]}", model="tiny", drafter_kind="dspark",
         drafter_version="random-dspark-0", gamma=4, load=load, sts_temperatures=temps)
-    from dspark.proto_gen.v1 import drafter_pb2_grpc
     from service_helpers import internal_channel
+
+    from dspark.proto_gen.v1 import drafter_pb2_grpc
 
     with internal_channel(cluster["drafter"]) as channel:
         info = drafter_pb2_grpc.DrafterStub(channel).DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=10)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from dspark_client import Chunk, FinishReason, SpecMetrics
+
 from gateway_svc import openai_response as out
 from gateway_svc.auth import check_authorization, configured_keys
 from gateway_svc.errors import ApiError

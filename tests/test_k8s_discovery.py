@@ -303,7 +303,7 @@ def test_scheduler_routes_only_to_verifier_pods_discovery_reports_ready(api, tmp
         wait_serving(v_addr, verifier, timeout=120)
         with Client(s_addr, timeout=30, retry=RetryPolicy(max_attempts=1)) as c:
             # Registered and heartbeating, but its pod is not Ready: not routed to.
-            wait_until(lambda: "registered at 127.0.0.1:%d" % v_port in scheduler.log(), 30, what="registration")
+            wait_until(lambda: f"registered at 127.0.0.1:{v_port}" in scheduler.log(), 30, what="registration")
             time.sleep(1.0)
             assert c.list_models() == []
             assert any("labelSelector=" in r for r in api.requests)

@@ -8,8 +8,8 @@ the DSPARK_TLS_* environment.
 from __future__ import annotations
 
 import datetime
-import os
 import ipaddress
+import os
 
 import grpc
 import pytest
@@ -17,9 +17,15 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-from service_helpers import free_port, start_drafter, start_scheduler, start_verifier, wait_serving, wait_until, \
-    write_tiny_target
+from service_helpers import (
+    free_port,
+    start_drafter,
+    start_scheduler,
+    start_verifier,
+    wait_serving,
+    wait_until,
+    write_tiny_target,
+)
 
 pytestmark = pytest.mark.slow
 SERVER_NAME = "dspark.internal"
@@ -31,7 +37,7 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _build(subject: str, key, issuer: str, issuer_key, *, ca: bool, sans=(), usages=()) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(_name(issuer))
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
@@ -130,9 +136,8 @@ def test_client_with_certificate_generates_through_mutual_tls(cluster):
 def refused(make) -> grpc.StatusCode:
     from dspark_client import DSparkError
 
-    with pytest.raises(DSparkError) as info:
-        with make() as c:
-            c.generate(token_ids=PROMPT, max_tokens=4, timeout=10)
+    with pytest.raises(DSparkError) as info, make() as c:
+        c.generate(token_ids=PROMPT, max_tokens=4, timeout=10)
     return info.value.code
 
 
@@ -158,9 +163,9 @@ def test_peer_without_client_certificate_cannot_reach_the_drafter(cluster):
     pki = cluster["pki"]
     creds = grpc.ssl_channel_credentials(pki["ca"].read_bytes())
     options = [("grpc.ssl_target_name_override", SERVER_NAME)]
-    with grpc.secure_channel(cluster["drafter"], creds, options=options) as channel:
-        with pytest.raises(grpc.RpcError) as info:
-            drafter_pb2_grpc.DrafterStub(channel).DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=10)
+    with grpc.secure_channel(cluster["drafter"], creds, options=options) as channel, \
+            pytest.raises(grpc.RpcError) as info:
+        drafter_pb2_grpc.DrafterStub(channel).DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     creds = grpc.ssl_channel_credentials(pki["ca"].read_bytes(), pki["key"].read_bytes(), pki["cert"].read_bytes())
     with grpc.secure_channel(cluster["drafter"], creds, options=options) as channel:
@@ -177,9 +182,9 @@ def test_a_public_client_certificate_cannot_call_internal_services(cluster):
     creds = grpc.ssl_channel_credentials(pki["ca"].read_bytes(), pki["client_key"].read_bytes(),
                                          pki["client_cert"].read_bytes())
     options = [("grpc.ssl_target_name_override", SERVER_NAME)]
-    with grpc.secure_channel(cluster["drafter"], creds, options=options) as channel:
-        with pytest.raises(grpc.RpcError) as info:
-            drafter_pb2_grpc.DrafterStub(channel).DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=10)
+    with grpc.secure_channel(cluster["drafter"], creds, options=options) as channel, \
+            pytest.raises(grpc.RpcError) as info:
+        drafter_pb2_grpc.DrafterStub(channel).DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=10)
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 

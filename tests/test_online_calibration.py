@@ -15,16 +15,23 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+from service_helpers import (
+    RedisServer,
+    free_port,
+    internal_address,
+    internal_channel,
+    start_scheduler,
+    wait_serving,
+    wait_until,
+)
+from test_calibration import GAMMA, overconfident_traffic
 
 from dspark.proto_gen.v1 import load_pb2, scheduler_pb2, scheduler_pb2_grpc
 from dspark.sched.calibration import OnlineCalibrationStats, apply_sts, fit_sts, sigmoid
 from dspark.sched.metrics import per_position_calibration
-from scheduler_svc.calibration_store import bins_key, sts_key
 from dspark.sched.verify_budget import verify_budget
 from scheduler_svc.budget_planner import seconds_table
-from service_helpers import (RedisServer, free_port, internal_address, internal_channel, start_scheduler, wait_serving,
-                             wait_until)
-from test_calibration import GAMMA, overconfident_traffic
+from scheduler_svc.calibration_store import bins_key, sts_key
 
 pytestmark = pytest.mark.slow
 VERSION = "synthetic-dspark-v1"

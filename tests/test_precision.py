@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from dspark.models.batch import VarlenBatch
 from dspark.engine.generate import Engine
 from dspark.models import precision as prec
+from dspark.models.batch import VarlenBatch
 from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams
 from dspark.speculative.engine import SpecEngine
@@ -109,7 +109,8 @@ def test_a_verification_pass_gives_each_row_the_bits_of_plain_decoding(precision
     model = load_model(precision=precision).model
     g = torch.Generator().manual_seed(5)
     # positions 60..65: the block crosses a key bucket (64)
-    prompt, block = torch.randint(100, 20000, (60,), generator=g).tolist(), torch.randint(100, 20000, (6,), generator=g).tolist()
+    prompt = torch.randint(100, 20000, (60,), generator=g).tolist()
+    block = torch.randint(100, 20000, (6,), generator=g).tolist()
     cache = model.new_cache(2, 128)
     verify_slot, decode_slot = cache.allocate(), cache.allocate()
     model(VarlenBatch.build([prompt, prompt], [0, 0], [verify_slot, decode_slot]), cache)

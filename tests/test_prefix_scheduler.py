@@ -18,7 +18,7 @@ from dspark.sched.sps import SpsTable
 
 def theta(lengths, a, sps):
     a = np.asarray(a, dtype=np.float64)
-    tau = sum(1.0 + a[r, :l].sum() for r, l in enumerate(lengths))
+    tau = sum(1.0 + a[r, :n].sum() for r, n in enumerate(lengths))
     return tau * sps(int(np.sum(1 + np.asarray(lengths))))
 
 

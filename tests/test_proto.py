@@ -27,17 +27,20 @@ COMMITTED = [REPO / "dspark" / "proto_gen", REPO / "client" / "dspark_client" / 
 
 
 def _tree(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts}
 
 
 def test_committed_generated_code_is_up_to_date(tmp_path):
     fresh = tmp_path / "proto_gen"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "gen_proto.py"), "--out", str(fresh)], check=True, capture_output=True)
+    subprocess.run([sys.executable, str(REPO / "scripts" / "gen_proto.py"), "--out", str(fresh)], check=True,
+                   capture_output=True)
     expected = _tree(fresh)
     assert "v1/generation_pb2_grpc.py" in expected and "v1/tensor_pb2.pyi" in expected
     for committed in COMMITTED:
         actual = _tree(committed)
-        assert sorted(actual) == sorted(expected), f"{committed} has other files than proto/ generates: run scripts/gen_proto.py"
+        assert sorted(actual) == sorted(expected), \
+            f"{committed} has other files than proto/ generates: run scripts/gen_proto.py"
         stale = [name for name in expected if actual[name] != expected[name]]
         assert not stale, f"stale generated files in {committed}: {stale}; run scripts/gen_proto.py"
     assert not filecmp.dircmp(*COMMITTED).diff_files

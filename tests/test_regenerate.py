@@ -81,7 +81,8 @@ def test_committed_snapshot_matches_the_corpus_and_its_settings(smollm2):
     eos = set(smollm2.model.config.eos_token_ids)
     for r in records[:200]:
         i, prompt = index[r["id"]]
-        assert r["turns"][0]["prompt_ids"] == smollm2.tokenizer.encode_chat([{"role": "user", "content": prompt["turns"][0]}])
+        first_turn = [{"role": "user", "content": prompt["turns"][0]}]
+        assert r["turns"][0]["prompt_ids"] == smollm2.tokenizer.encode_chat(first_turn)
         assert r["sampling"] == regenerate.sampling_for(r["id"], i, 0, 0.2, 512)
         for t in r["turns"]:
             assert (t["response_ids"][-1] in eos) == (t["finish"] == "stop")

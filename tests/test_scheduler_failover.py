@@ -8,12 +8,21 @@ knows both and resumes a broken stream on the other from the last token it recei
 from __future__ import annotations
 
 import pytest
+from dspark_client import RetryPolicy
+from service_helpers import (
+    RedisServer,
+    StreamThread,
+    start_drafter,
+    start_scheduler,
+    start_verifier,
+    wait_registered,
+    wait_serving,
+    wait_until,
+    write_tiny_target,
+)
+from spec_helpers import greedy_reference
 
 from dspark.models.loader import load_model
-from dspark_client import RetryPolicy
-from service_helpers import (RedisServer, StreamThread, start_drafter, start_scheduler, start_verifier, wait_registered,
-                             wait_serving, wait_until, write_tiny_target)
-from spec_helpers import greedy_reference
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[5 + i, 9 + 2 * i, 30 + i, 41 + 3 * i][: 2 + i % 3] for i in range(8)]

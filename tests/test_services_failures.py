@@ -8,11 +8,21 @@ from __future__ import annotations
 import time
 
 import pytest
+from service_helpers import (
+    RedisServer,
+    StreamThread,
+    free_port,
+    start_drafter,
+    start_scheduler,
+    start_verifier,
+    wait_registered,
+    wait_serving,
+    wait_until,
+    write_tiny_target,
+)
+from spec_helpers import greedy_reference
 
 from dspark.models.loader import load_model
-from service_helpers import (RedisServer, StreamThread, start_drafter, start_scheduler, start_verifier, wait_registered,
-                             wait_serving, wait_until, write_tiny_target)
-from spec_helpers import greedy_reference
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[5 + i, 9 + 2 * i, 30 + i, 41 + 3 * i][: 2 + i % 3] for i in range(6)]
@@ -84,7 +94,7 @@ def test_verifier_killed_mid_stream_resumes_on_the_other(target, logs, services)
     path, reference = target
     drafter, d_addr = start(services, start_drafter(path, logs))
     wait_serving(d_addr, drafter)
-    ports = [f"127.0.0.1:{p}" for p in (__import__("service_helpers").free_port(), __import__("service_helpers").free_port())]
+    ports = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     scheduler, s_addr = start(services, start_scheduler(logs, ports))
     wait_serving(s_addr, scheduler)
     verifiers = [start(services, start_verifier(path, logs, d_addr, s_addr, port=int(a.rsplit(":", 1)[1])))[0]

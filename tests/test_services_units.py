@@ -5,6 +5,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from spec_helpers import random_drafter, tiny_target
 
 from drafter_svc.contexts import Limits, answer
 from dspark.proto_gen.v1 import drafter_pb2
@@ -12,7 +13,6 @@ from dspark.serving.textstream import TextStream
 from dspark.wire import WireError, tensor_to_proto
 from scheduler_svc.registry import choose
 from scheduler_svc.store import MemoryStore, RedisStore
-from spec_helpers import random_drafter, tiny_target
 
 WORDS = ["a", "b", "STOP", "c"]
 
@@ -86,7 +86,8 @@ def test_drafter_contexts_extend_roll_back_release_and_report_missing():
     answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=2, sequences=[_update("a", 1, 2, width)]), width, limits)
     assert drafter.context_len("1:a") == 3
     # The same id on another stream is another context; asking past what it holds: context_missing.
-    reply = answer(drafter, 2, OrderedDict(), drafter_pb2.DraftRequest(step=1, sequences=[_update("a", 1, 3, width)]), width, limits)
+    request = drafter_pb2.DraftRequest(step=1, sequences=[_update("a", 1, 3, width)])
+    reply = answer(drafter, 2, OrderedDict(), request, width, limits)
     assert reply.sequences[0].context_missing
     answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=3, sequences=[
         drafter_pb2.SequenceUpdate(request_id="a", release=True)]), width, limits)

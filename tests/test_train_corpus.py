@@ -1,7 +1,6 @@
 """The committed prompt corpus and the pieces that build it: eval decontamination, dedup, filters."""
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 

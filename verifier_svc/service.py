@@ -13,10 +13,17 @@ import uuid
 
 import grpc
 
-from dspark.proto_gen.v1 import (generation_pb2 as pb, generation_pb2_grpc, verifier_pb2, verifier_pb2_grpc)
+from dspark.proto_gen.v1 import generation_pb2 as pb
+from dspark.proto_gen.v1 import generation_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from dspark.serving import metrics, tracing
-from dspark.serving.requests import (RequestError, check_max_tokens, check_prompt_fits, check_request,
-                                     check_token_ids, sampling_params)
+from dspark.serving.requests import (
+    RequestError,
+    check_max_tokens,
+    check_prompt_fits,
+    check_request,
+    check_token_ids,
+    sampling_params,
+)
 from dspark.serving.textstream import TextStream
 from dspark.speculative.engine import EngineRequest
 from dspark.speculative.metrics import SpecMetrics

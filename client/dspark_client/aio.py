@@ -10,7 +10,7 @@ from .channel import TlsConfig, open_aio_channel, split_addresses
 from .proto_gen.v1 import generation_pb2 as pb
 from .proto_gen.v1 import generation_pb2_grpc
 from .request import build_request
-from .retry import RetryPolicy
+from .retry import DEFAULT_RETRY, RetryPolicy
 from .types import Chunk, GenerationResult, collect
 
 Metadata = Sequence[tuple[str, str]]
@@ -25,7 +25,7 @@ class AsyncClient:
         *,
         tls: TlsConfig | None = None,
         timeout: float | None = None,
-        retry: RetryPolicy = RetryPolicy(),
+        retry: RetryPolicy = DEFAULT_RETRY,
         metadata: Metadata = (),
         options: Sequence[tuple[str, object]] = (),
     ):
@@ -58,7 +58,8 @@ class AsyncClient:
         return collect([chunk async for chunk in self.generate_stream(prompt, **kwargs)])
 
     async def list_models(self, *, timeout: float | None = None) -> list[pb.ModelInfo]:
-        response = await self._stub.ListModels(pb.ListModelsRequest(), timeout=timeout or self.timeout, metadata=self.metadata)
+        response = await self._stub.ListModels(pb.ListModelsRequest(), timeout=timeout or self.timeout,
+                                               metadata=self.metadata)
         return list(response.models)
 
     async def close(self) -> None:

@@ -59,7 +59,8 @@ def _client(args) -> Client:
     metadata = [tuple(item.split("=", 1)) for item in args.metadata]
     if any(len(pair) != 2 for pair in metadata):
         raise SystemExit("--metadata takes KEY=VALUE")
-    return Client(args.address, tls=tls, timeout=args.timeout, retry=RetryPolicy(max_attempts=args.retries), metadata=metadata)
+    return Client(args.address, tls=tls, timeout=args.timeout, retry=RetryPolicy(max_attempts=args.retries),
+                  metadata=metadata)
 
 
 def _params(args) -> dict:
@@ -85,7 +86,8 @@ def _run(client: Client, args, **prompt) -> GenerationResult:
     if args.metrics and result.metrics:
         m = result.metrics
         print(f"[{m.generated_tokens} tokens, {m.steps} steps, tau {m.tau:.2f}, "
-              f"accepted {m.accepted_tokens}/{m.draft_tokens} drafts, finish {result.finish_reason.value if result.finish_reason else '?'}]",
+              f"accepted {m.accepted_tokens}/{m.draft_tokens} drafts, "
+              f"finish {result.finish_reason.value if result.finish_reason else '?'}]",
               file=sys.stderr)
     if result.finish_reason == FinishReason.ERROR:
         print(f"error: {result.error}", file=sys.stderr)

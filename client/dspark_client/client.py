@@ -10,7 +10,7 @@ from .channel import TlsConfig, open_channel, split_addresses
 from .proto_gen.v1 import generation_pb2 as pb
 from .proto_gen.v1 import generation_pb2_grpc
 from .request import build_request
-from .retry import RetryPolicy
+from .retry import DEFAULT_RETRY, RetryPolicy
 from .types import Chunk, GenerationResult, collect
 
 Metadata = Sequence[tuple[str, str]]
@@ -30,7 +30,7 @@ class Client:
         *,
         tls: TlsConfig | None = None,
         timeout: float | None = None,  # default deadline per call, retries included
-        retry: RetryPolicy = RetryPolicy(),
+        retry: RetryPolicy = DEFAULT_RETRY,
         metadata: Metadata = (),  # sent with every call (e.g. auth or trace context)
         options: Sequence[tuple[str, object]] = (),  # raw gRPC channel options
     ):

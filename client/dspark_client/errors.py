@@ -26,7 +26,8 @@ def from_rpc_error(error: grpc.RpcError, address: str, timeout: float | None, to
     got = f"{tokens_received} tokens received"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         limit = f"{timeout:g} s" if timeout is not None else "the deadline"
-        return DeadlineExceeded(f"deadline exceeded: no complete answer from {address} within {limit} ({got})", code, tokens_received)
+        return DeadlineExceeded(f"deadline exceeded: no complete answer from {address} within {limit} ({got})", code,
+                                tokens_received)
     if code == grpc.StatusCode.UNAVAILABLE:
         if tokens_received:
             why = f"stream broke after {got}; not retried because tokens had already been delivered"

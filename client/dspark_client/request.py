@@ -25,7 +25,8 @@ def build_request(
 ) -> pb.GenerateRequest:
     """Exactly one of prompt / messages / token_ids. Zeros mean "server default" or "off"
     as generation.proto documents (temperature 0 = greedy, top_k 0 = no top-k)."""
-    given = [name for name, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)) if value is not None]
+    given = [name for name, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
+             if value is not None]
     if len(given) != 1:
         raise ValueError(f"pass exactly one of prompt, messages, token_ids (got {given or 'none'})")
     if isinstance(stop, str):

@@ -23,6 +23,9 @@ class RetryPolicy:
         return min(self.max_backoff, self.initial_backoff * self.multiplier ** (failed_attempt - 1))
 
 
+DEFAULT_RETRY = RetryPolicy()  # frozen: one shared default is safe
+
+
 class Deadline:
     """One deadline for the whole call, retries included."""
 

@@ -55,7 +55,7 @@ class DrafterConfig:
         return asdict(self)
 
     @staticmethod
-    def from_dict(d: dict) -> "DrafterConfig":
+    def from_dict(d: dict) -> DrafterConfig:
         known = {f.name for f in fields(DrafterConfig)}
         unknown = set(d) - known
         if unknown:
@@ -63,7 +63,7 @@ class DrafterConfig:
         return DrafterConfig(**d)
 
     @staticmethod
-    def for_target(target_cfg: ModelConfig, kind: str, ctx_layers: list[int], **overrides) -> "DrafterConfig":
+    def for_target(target_cfg: ModelConfig, kind: str, ctx_layers: list[int], **overrides) -> DrafterConfig:
         """Defaults taken from the target: width, heads, MLP size, RoPE base."""
         base = dict(kind=kind, hidden_size=target_cfg.hidden_size, vocab_size=target_cfg.vocab_size,
                     ctx_layers=list(ctx_layers), num_heads=target_cfg.num_heads,
@@ -73,7 +73,7 @@ class DrafterConfig:
         base.update(overrides)
         return DrafterConfig(**base)
 
-    def resolved(self) -> "DrafterConfig":
+    def resolved(self) -> DrafterConfig:
         """Fill the 0 (= "the target's") shape fields that for_target did not set."""
         d = self.to_dict()
         d["num_heads"] = self.num_heads or max(1, self.hidden_size // 64)

@@ -56,7 +56,5 @@ class Sequence:
         self._tokens.append(token)
         if token in eos_ids or token in self.params.stop_token_ids:
             self.finish = FinishReason.STOP
-        elif len(self.output) >= self.params.max_tokens:
-            self.finish = FinishReason.LENGTH
-        elif self.max_len is not None and len(self.tokens) >= self.max_len:
+        elif len(self.output) >= self.params.max_tokens or self.max_len is not None and len(self.tokens) >= self.max_len:
             self.finish = FinishReason.LENGTH

@@ -23,7 +23,7 @@ class VarlenBatch:
 
     @staticmethod
     def build(token_lists: list[list[int]], starts: list[int], slots: list[int] | None = None,
-              device="cpu") -> "VarlenBatch":
+              device="cpu") -> VarlenBatch:
         lens = [len(t) for t in token_lists]
         if any(n == 0 for n in lens):
             raise ValueError("every sequence in a batch needs at least one new token")
@@ -37,7 +37,7 @@ class VarlenBatch:
             starts=list(starts), lens=lens,
         )
 
-    def to(self, device) -> "VarlenBatch":
+    def to(self, device) -> VarlenBatch:
         """The same batch with its tensors on `device` (itself when already there)."""
         if self.tokens.device == torch.device(device):
             return self

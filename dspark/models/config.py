@@ -1,7 +1,7 @@
 """Target model configuration: one dataclass for the Llama, Qwen2 and Qwen3 decoder families."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, asdict
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -31,7 +31,7 @@ class ModelConfig:
         return asdict(self)
 
     @staticmethod
-    def from_hf(cfg: dict) -> "ModelConfig":
+    def from_hf(cfg: dict) -> ModelConfig:
         """Build from a Hugging Face config.json dict (transformers v4 and v5 layouts)."""
         model_type = cfg.get("model_type", "llama")
         if model_type not in ("llama", "qwen2", "qwen3", "mistral"):

@@ -5,8 +5,8 @@ import json
 from pathlib import Path
 
 import jinja2
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, AddedToken
 
 
 class Tokenizer:
@@ -43,7 +43,7 @@ class Tokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     @staticmethod
-    def from_hf_dir(path: str | Path) -> "Tokenizer":
+    def from_hf_dir(path: str | Path) -> Tokenizer:
         path = Path(path)
         tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
         cfg = {}
@@ -57,7 +57,7 @@ class Tokenizer:
                          add_bos=bool(cfg.get("add_bos_token", False)))
 
     @staticmethod
-    def from_gguf_fields(fields: dict) -> "Tokenizer":
+    def from_gguf_fields(fields: dict) -> Tokenizer:
         """Byte-level BPE from tokenizer.ggml.* metadata (gpt2-style models such as SmolLM2)."""
         if fields["tokenizer.ggml.model"] != "gpt2":
             raise ValueError(f"unsupported GGUF tokenizer {fields['tokenizer.ggml.model']!r}")

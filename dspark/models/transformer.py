@@ -12,8 +12,8 @@ from torch import nn
 
 from dspark.device import host_values
 from dspark.models.batch import VarlenBatch
-from dspark.models.kv_cache import KVCache
 from dspark.models.config import ModelConfig
+from dspark.models.kv_cache import KVCache
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, fuse_linears, rope_tables
 from dspark.models.precision import apply_precision
 

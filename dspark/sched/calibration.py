@@ -56,7 +56,8 @@ def fit_sts(conf_logits, accepted_len, verified_len=None, grid=DEFAULT_TEMPERATU
             before = survival_before[verified]
             z = logits[verified, k]
             label = accepted_len[verified] > k
-            temperatures[k] = _best_temperature(lambda t: ece(before * sigmoid(z / t), label, bins), grid)
+            temperatures[k] = _best_temperature(
+                lambda t, before=before, z=z, label=label: ece(before * sigmoid(z / t), label, bins), grid)
         survival_before = survival_before * sigmoid(logits[:, k] / temperatures[k])
     return temperatures
 
@@ -109,11 +110,11 @@ class OnlineCalibrationStats:
             accepted = decided & (accepted_len > k)
             self.accepted[k] += np.bincount(bin_index[accepted, k], minlength=num_bins)
 
-    def _check_same_layout(self, other: "OnlineCalibrationStats") -> None:
+    def _check_same_layout(self, other: OnlineCalibrationStats) -> None:
         if (self.gamma, self.bin_width, self.logit_limit) != (other.gamma, other.bin_width, other.logit_limit):
             raise ValueError("cannot merge calibration statistics with different layouts")
 
-    def merge(self, other: "OnlineCalibrationStats") -> "OnlineCalibrationStats":
+    def merge(self, other: OnlineCalibrationStats) -> OnlineCalibrationStats:
         """A new accumulator holding both (e.g. two scheduler replicas' statistics)."""
         self._check_same_layout(other)
         return OnlineCalibrationStats(
@@ -131,7 +132,8 @@ class OnlineCalibrationStats:
             centre = self.bin_centres[used]
             count = self.reached[k, used]
             rate = self.accepted[k, used] / count
-            temperatures[k] = _best_temperature(lambda t: ece(sigmoid(centre / t), rate, bins, weights=count), grid)
+            temperatures[k] = _best_temperature(
+                lambda t, centre=centre, rate=rate, count=count: ece(sigmoid(centre / t), rate, bins, weights=count), grid)
         return temperatures
 
     @property
@@ -149,5 +151,5 @@ class OnlineCalibrationStats:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "OnlineCalibrationStats":
+    def from_dict(cls, data: dict) -> OnlineCalibrationStats:
         return cls(data["gamma"], data["bin_width"], data["logit_limit"], data["reached"], data["accepted"])

@@ -26,7 +26,6 @@ def ece(pred, label, bins: int = 20, weights=None) -> float:
     if total <= 0:
         return float("nan")
     bin_index = np.clip((pred * bins).astype(np.int64), 0, bins - 1)  # pred == 1 goes to the last bin
-    count = np.bincount(bin_index, weights=weights, minlength=bins)
     pred_sum = np.bincount(bin_index, weights=weights * pred, minlength=bins)
     label_sum = np.bincount(bin_index, weights=weights * label, minlength=bins)
     # sum_b (n_b / N) * |mean label_b - mean pred_b| = sum_b |label_sum_b - pred_sum_b| / N

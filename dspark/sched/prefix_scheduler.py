@@ -44,7 +44,7 @@ def _rank_order(a: np.ndarray, eligible: np.ndarray | None = None):
 
 def _theta(lengths: np.ndarray, a: np.ndarray, sps) -> float:
     tokens = int(np.sum(1 + lengths))
-    tau = sum(1.0 + a[r, :l].sum() for r, l in enumerate(lengths))
+    tau = sum(1.0 + a[r, :n].sum() for r, n in enumerate(lengths))
     return tau * sps(tokens)
 
 

@@ -39,12 +39,12 @@ class SpsTable:
             raise ValueError(f"need tokens >= 1 and seconds > 0, got ({tokens}, {seconds})")
 
     @classmethod
-    def from_sps(cls, sps_by_tokens: dict[int, float], ema_weight: float = 0.1) -> "SpsTable":
+    def from_sps(cls, sps_by_tokens: dict[int, float], ema_weight: float = 0.1) -> SpsTable:
         """Build from steps-per-second values, e.g. SpsTable.from_sps({1: 1.0, 2: 0.5})."""
         return cls({b: 1.0 / s for b, s in sps_by_tokens.items()}, ema_weight)
 
     @classmethod
-    def from_samples(cls, token_counts, seconds, ema_weight: float = 0.1) -> "SpsTable":
+    def from_samples(cls, token_counts, seconds, ema_weight: float = 0.1) -> SpsTable:
         """Build from profiling samples (B, step seconds); the median per B resists outliers."""
         token_counts = np.asarray(token_counts, dtype=np.int64)
         seconds = np.asarray(seconds, dtype=np.float64)
@@ -87,6 +87,6 @@ class SpsTable:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "SpsTable":
+    def from_dict(cls, data: dict) -> SpsTable:
         table = {int(b): float(s) for b, s in data["seconds_by_tokens"].items()}
         return cls(table, float(data.get("ema_weight", 0.1)))

@@ -8,7 +8,8 @@ GENERATED_TOKENS = Counter("dspark_generated_tokens", "Tokens generated and stre
 NUM_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Verified draft blocks (steps of a request with drafts)")
 NUM_DRAFT_TOKENS = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified")
 NUM_ACCEPTED = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted")
-ACCEPTED_PER_POS = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by block position (0-based, as vLLM; dspark_calibration_ece is 1-based)",
+ACCEPTED_PER_POS = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                           "Accepted draft tokens by block position (0-based, as vLLM; dspark_calibration_ece is 1-based)",
                            ["position"])
 STEP_LATENCY = Histogram("dspark_step_latency_seconds", "Verifier step latency", ["batch_tokens_bucket"],
                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))

@@ -8,7 +8,7 @@ that completes it are dropped (`overshoot`), so the token ids agree with the tex
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 class TextStream:

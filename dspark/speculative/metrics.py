@@ -37,7 +37,7 @@ class SpecMetrics:
         """Mean tokens per verified draft, bonus token counted (tau, as vLLM and the paper report it)."""
         return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
 
-    def merge(self, other: "SpecMetrics") -> "SpecMetrics":
+    def merge(self, other: SpecMetrics) -> SpecMetrics:
         out = SpecMetrics(self.steps + other.steps, self.drafts + other.drafts,
                           self.draft_tokens + other.draft_tokens, self.accepted_tokens + other.accepted_tokens,
                           self.emitted_tokens + other.emitted_tokens)

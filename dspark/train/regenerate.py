@@ -4,7 +4,8 @@ Every record gets the target's own answer, mostly with the paper's sampling sett
 (T 0.7, top-p 0.8, top-k 20) and a share greedy, decoded batched on the fast engine.
 Multi-turn records are answered turn by turn (each follow-up is appended to the conversation
 the target itself produced). An answer that falls into a loop is cut once its recent window is
-mostly repeats (finish "loop", dspark/train/repetition.py) and ends its record. Saved per record: for each turn the ids fed before the answer
+mostly repeats (finish "loop", dspark/train/repetition.py) and ends its record. Saved per record: for each turn
+the ids fed before the answer
 (chat template + user text), the answer's ids and why it stopped, plus the sampling
 settings; concatenating prompt_ids + response_ids over the turns gives the whole sequence.
 

@@ -331,7 +331,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    summary = train(args.config, args.data, args.out, resume=not args.no_resume, device=device_or_exit(args.device, "trainer"))
+    device = device_or_exit(args.device, "trainer")
+    summary = train(args.config, args.data, args.out, resume=not args.no_resume, device=device)
     print(json.dumps(summary, indent=2))
 
 

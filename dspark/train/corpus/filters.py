@@ -5,8 +5,9 @@ import re
 
 # Frequent English function words: a prompt in English contains some of them.
 ENGLISH_WORDS = frozenset(
-    "the a an and or of to in on for with is are was be can you your i me my it this that what how why "
-    "which who when where do does please write explain give make use about from as by if not".split())
+    ["the", "a", "an", "and", "or", "of", "to", "in", "on", "for", "with", "is", "are", "was", "be", "can", "you",
+     "your", "i", "me", "my", "it", "this", "that", "what", "how", "why", "which", "who", "when", "where", "do",
+     "does", "please", "write", "explain", "give", "make", "use", "about", "from", "as", "by", "if", "not"])
 WORD = re.compile(r"[A-Za-z']+")
 
 

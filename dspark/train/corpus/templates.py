@@ -7,8 +7,22 @@ from __future__ import annotations
 
 import random
 
-from dspark.train.corpus.vocab import (AUDIENCES, BUGGY_SNIPPETS, CODE_FOLLOW_UPS, CODE_TASKS, CONSTRAINTS, FOLLOW_UPS, ITEMS,
-                                       LANGUAGES, MATH_FOLLOW_UPS, NAMES, PLACES, TONES, TOPICS, WRITING_FORMS)
+from dspark.train.corpus.vocab import (
+    AUDIENCES,
+    BUGGY_SNIPPETS,
+    CODE_FOLLOW_UPS,
+    CODE_TASKS,
+    CONSTRAINTS,
+    FOLLOW_UPS,
+    ITEMS,
+    LANGUAGES,
+    MATH_FOLLOW_UPS,
+    NAMES,
+    PLACES,
+    TONES,
+    TOPICS,
+    WRITING_FORMS,
+)
 
 CHAT = [
     "What is {t}?", "Can you explain {t} in simple terms?", "Why does {t} matter?", "Tell me something surprising "
@@ -125,7 +139,8 @@ def _slots(rng: random.Random) -> dict:
     return dict(
         a=a, b=b, c=c, t=t, t2=t2, p=rng.choice(PLACES), aud=rng.choice(AUDIENCES), tone=rng.choice(TONES),
         form=rng.choice(WRITING_FORMS), item=rng.choice(ITEMS), x=x, y=y, z=z, xy=x * y, xy_sum=(x + y) * rng.randint(2, 9),
-        z4=y * rng.randint(2, 5), seats=x * y + rng.randint(1, 20), x4=4 * x, n=rng.randint(41, 500), big=rng.choice([20, 50, 100]),
+        z4=y * rng.randint(2, 5), seats=x * y + rng.randint(1, 20), x4=4 * x, n=rng.randint(41, 500),
+        big=rng.choice([20, 50, 100]),
         hundreds=rng.randrange(100, 2000, 20), pct=rng.choice([5, 10, 15, 20, 25, 30, 40, 50, 75]),
         avg=rng.randint(10, 60), h=rng.randint(1, 12), mm=rng.choice(["00", "15", "20", "30", "45"]),
         s=seq, day=rng.choice(DAYS), lang=lang, lang2=lang2, task=rng.choice(CODE_TASKS),
