@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from plotting import grouped_bars
+from plotting import grouped_bars, save_figure
 
 from dspark.drafters.shipped import load_drafter_for
 from dspark.engine.generate import Engine
@@ -220,10 +220,7 @@ def main():
     b.set_ylabel("ms per pass")
     b.set_title("Verification cost curve")
     b.legend()
-    fig.tight_layout()
-    OUT.mkdir(exist_ok=True)
-    fig.savefig(OUT / "engine_speed.png", dpi=120)
-    print(f"\nplot: {OUT / 'engine_speed.png'}")
+    save_figure(fig, OUT / "engine_speed.png")
 
 
 if __name__ == "__main__":

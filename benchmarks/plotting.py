@@ -12,3 +12,14 @@ def grouped_bars(ax, categories: list[str], series: dict[str, list[float]], font
         ax.bar([x for x, _ in kept], [v for _, v in kept], width, label=name)
     ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(categories))], categories, fontsize=fontsize)
     ax.legend(fontsize=fontsize)
+
+
+def save_figure(fig, path) -> None:
+    """Lay out, write the PNG (folders made as needed) and say where it went."""
+    from pathlib import Path
+
+    path = Path(path)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"\nplot: {path}")

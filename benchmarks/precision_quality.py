@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 import torch
-from plotting import grouped_bars
+from plotting import grouped_bars, save_figure
 
 from dspark.engine.generate import Engine
 from dspark.models.batch import VarlenBatch
@@ -87,10 +87,7 @@ def main():
         grouped_bars(ax, list(texts), {p: [table[(n, p)][i] for n in texts] for p in models})
         ax.set_title(title)
     a.set_ylim(0.8, 1.0)
-    fig.tight_layout()
-    OUT.mkdir(exist_ok=True)
-    fig.savefig(OUT / "precision_quality.png", dpi=120)
-    print(f"\nplot: {OUT / 'precision_quality.png'}")
+    save_figure(fig, OUT / "precision_quality.png")
 
 
 if __name__ == "__main__":

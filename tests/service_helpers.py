@@ -53,6 +53,18 @@ def write_tiny_target(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def tiny_target_and_reference(tmp_path_factory, prompts, max_tokens: int) -> tuple[str, list[list[int]]]:
+    """A tiny target on disk and its greedy outputs in process, at the serving precision: what the
+    services must reproduce token for token."""
+    from spec_helpers import greedy_reference
+
+    from dspark.models.loader import load_model
+
+    path = write_tiny_target(tmp_path_factory.mktemp("tiny") / "tiny")
+    model = load_model(str(path), precision="auto").model
+    return str(path), greedy_reference(model, prompts, max_tokens, max_len=1024)
+
+
 class Service:
     """One `python -m <module> ...` subprocess, logging to a file next to the test's tmp dir."""
 

@@ -18,18 +18,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from dspark_client import (
-    AsyncClient,
-    ChatMessage,
-    Client,
-    DeadlineExceeded,
-    DSparkError,
-    FinishReason,
-    RetryPolicy,
-    TlsConfig,
-    Unavailable,
-    build_request,
-)
+from dspark_client import (AsyncClient, ChatMessage, Client, DeadlineExceeded, DSparkError, FinishReason, RetryPolicy,
+                           TlsConfig, Unavailable, build_request)
 from dspark_client.proto_gen.v1 import generation_pb2 as pb
 from dspark_client.proto_gen.v1 import generation_pb2_grpc
 

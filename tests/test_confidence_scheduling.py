@@ -16,22 +16,9 @@ import time
 import urllib.request
 
 import pytest
-from service_helpers import (
-    RedisServer,
-    StreamThread,
-    free_port,
-    internal_channel,
-    start_drafter,
-    start_scheduler,
-    start_verifier,
-    wait_registered,
-    wait_serving,
-    wait_until,
-    write_tiny_target,
-)
-from spec_helpers import greedy_reference
+from service_helpers import (RedisServer, StreamThread, free_port, internal_channel, start_drafter, start_scheduler,
+                             start_verifier, tiny_target_and_reference, wait_registered, wait_serving, wait_until)
 
-from dspark.models.loader import load_model
 from dspark.proto_gen.v1 import verifier_pb2, verifier_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -46,9 +33,7 @@ TTL_S = 1.5
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    path = write_tiny_target(tmp_path_factory.mktemp("tiny") / "tiny")
-    reference = greedy_reference(load_model(str(path), precision="auto").model, PROMPTS, LONG, max_len=1024)
-    return str(path), reference
+    return tiny_target_and_reference(tmp_path_factory, PROMPTS, LONG)
 
 
 @pytest.fixture(scope="module")

@@ -20,17 +20,8 @@ import pytest
 import torch
 from dspark_client import Client
 from google.protobuf.descriptor import FieldDescriptor
-from service_helpers import (
-    TOKEN,
-    internal_address,
-    start_drafter,
-    start_scheduler,
-    start_verifier,
-    wait_registered,
-    wait_serving,
-    wait_until,
-    write_tiny_target,
-)
+from service_helpers import (TOKEN, internal_address, start_drafter, start_scheduler, start_verifier, wait_registered,
+                             wait_serving, wait_until, write_tiny_target)
 
 from dspark.proto_gen.v1 import drafter_pb2, load_pb2, scheduler_pb2, verifier_pb2
 from dspark.proto_gen.v1 import generation_pb2 as pb

@@ -14,18 +14,8 @@ import httpx2 as httpx  # the HTTP client the openai package itself uses
 import openai
 import pytest
 from dspark_client import Client, RetryPolicy
-from service_helpers import (
-    internal_channel,
-    start_drafter,
-    start_gateway,
-    start_scheduler,
-    start_verifier,
-    wait_http_ok,
-    wait_registered,
-    wait_serving,
-    wait_until,
-    write_tiny_target,
-)
+from service_helpers import (internal_channel, start_drafter, start_gateway, start_scheduler, start_verifier,
+                             wait_http_ok, wait_registered, wait_serving, wait_until, write_tiny_target)
 
 from dspark.proto_gen.v1 import verifier_pb2, verifier_pb2_grpc
 

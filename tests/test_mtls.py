@@ -17,15 +17,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from service_helpers import (
-    free_port,
-    start_drafter,
-    start_scheduler,
-    start_verifier,
-    wait_serving,
-    wait_until,
-    write_tiny_target,
-)
+from service_helpers import (free_port, start_drafter, start_scheduler, start_verifier, wait_serving, wait_until,
+                             write_tiny_target)
 
 pytestmark = pytest.mark.slow
 SERVER_NAME = "dspark.internal"

@@ -18,16 +18,8 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client.parser import text_string_to_metric_families
-from service_helpers import (
-    free_port,
-    start_drafter,
-    start_scheduler,
-    start_verifier,
-    wait_registered,
-    wait_serving,
-    wait_until,
-    write_tiny_target,
-)
+from service_helpers import (free_port, start_drafter, start_scheduler, start_verifier, wait_registered, wait_serving,
+                             wait_until, write_tiny_target)
 
 pytestmark = pytest.mark.slow
 PROMPT = [5, 9, 30, 41]

@@ -15,15 +15,8 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
-from service_helpers import (
-    RedisServer,
-    free_port,
-    internal_address,
-    internal_channel,
-    start_scheduler,
-    wait_serving,
-    wait_until,
-)
+from service_helpers import (RedisServer, free_port, internal_address, internal_channel, start_scheduler, wait_serving,
+                             wait_until)
 from test_calibration import GAMMA, overconfident_traffic
 
 from dspark.proto_gen.v1 import load_pb2, scheduler_pb2, scheduler_pb2_grpc

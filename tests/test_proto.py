@@ -8,18 +8,8 @@ from pathlib import Path
 import torch
 from google.protobuf.descriptor import FieldDescriptor
 
-from dspark.proto_gen.v1 import (
-    drafter_pb2,
-    drafter_pb2_grpc,
-    generation_pb2,
-    generation_pb2_grpc,
-    load_pb2,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-    tensor_pb2,
-    verifier_pb2,
-    verifier_pb2_grpc,
-)
+from dspark.proto_gen.v1 import (drafter_pb2, drafter_pb2_grpc, generation_pb2, generation_pb2_grpc, load_pb2,
+                                 scheduler_pb2, scheduler_pb2_grpc, tensor_pb2, verifier_pb2, verifier_pb2_grpc)
 from dspark.wire import tensor_from_proto, tensor_to_proto
 
 REPO = Path(__file__).resolve().parent.parent

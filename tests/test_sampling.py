@@ -1,12 +1,7 @@
 import pytest
 import torch
 
-from dspark.sampling import (
-    SamplingParams,
-    logits_to_probs,
-    sample_from_probs,
-    truncated_draft_distribution,
-)
+from dspark.sampling import (SamplingParams, logits_to_probs, sample_from_probs, truncated_draft_distribution)
 
 
 def _params(n, temperature=1.0, top_k=0, top_p=1.0):

@@ -9,17 +9,8 @@ from __future__ import annotations
 
 import pytest
 from dspark_client import RetryPolicy
-from service_helpers import (
-    RedisServer,
-    StreamThread,
-    start_drafter,
-    start_scheduler,
-    start_verifier,
-    wait_registered,
-    wait_serving,
-    wait_until,
-    write_tiny_target,
-)
+from service_helpers import (RedisServer, StreamThread, start_drafter, start_scheduler, start_verifier, wait_registered,
+                             wait_serving, wait_until, write_tiny_target)
 from spec_helpers import greedy_reference
 
 from dspark.models.loader import load_model

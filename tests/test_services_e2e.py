@@ -4,15 +4,8 @@ equals in-process plain greedy decoding, and seeded sampling is reproducible."""
 from __future__ import annotations
 
 import pytest
-from service_helpers import (
-    RedisServer,
-    StreamThread,
-    start_drafter,
-    start_scheduler,
-    start_verifier,
-    wait_registered,
-    wait_serving,
-)
+from service_helpers import (RedisServer, StreamThread, start_drafter, start_scheduler, start_verifier, wait_registered,
+                             wait_serving)
 
 from dspark.engine.generate import Engine
 from dspark.models.loader import load_model

@@ -8,21 +8,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from service_helpers import (
-    RedisServer,
-    StreamThread,
-    free_port,
-    start_drafter,
-    start_scheduler,
-    start_verifier,
-    wait_registered,
-    wait_serving,
-    wait_until,
-    write_tiny_target,
-)
-from spec_helpers import greedy_reference
+from service_helpers import (RedisServer, StreamThread, free_port, start_drafter, start_scheduler, start_verifier,
+                             tiny_target_and_reference, wait_registered, wait_serving, wait_until)
 
-from dspark.models.loader import load_model
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[5 + i, 9 + 2 * i, 30 + i, 41 + 3 * i][: 2 + i % 3] for i in range(6)]
@@ -31,9 +19,7 @@ MAX_TOKENS = 300
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    path = write_tiny_target(tmp_path_factory.mktemp("tiny") / "tiny")
-    reference = greedy_reference(load_model(str(path), precision="auto").model, PROMPTS, MAX_TOKENS, max_len=1024)
-    return str(path), reference
+    return tiny_target_and_reference(tmp_path_factory, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture

@@ -7,18 +7,8 @@ import pytest
 import torch
 from dspark_client import Client, DSparkError, RetryPolicy
 from grpc_health.v1 import health_pb2
-from service_helpers import (
-    AUTH,
-    RedisServer,
-    health_status,
-    internal_channel,
-    start_drafter,
-    start_scheduler,
-    start_verifier,
-    wait_registered,
-    wait_serving,
-    write_tiny_target,
-)
+from service_helpers import (AUTH, RedisServer, health_status, internal_channel, start_drafter, start_scheduler,
+                             start_verifier, wait_registered, wait_serving, write_tiny_target)
 
 from dspark.proto_gen.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2_grpc, tensor_pb2
 from dspark.proto_gen.v1 import generation_pb2 as pb

@@ -19,29 +19,11 @@ import pytest
 import torch
 from dspark_client import AsyncClient, Client, DSparkError, RetryPolicy
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from service_helpers import (
-    AUTH,
-    RedisServer,
-    internal_address,
-    internal_channel,
-    start_drafter,
-    start_scheduler,
-    start_verifier,
-    wait_registered,
-    wait_serving,
-    write_tiny_target,
-)
+from service_helpers import (AUTH, RedisServer, internal_address, internal_channel, start_drafter, start_scheduler,
+                             start_verifier, wait_registered, wait_serving, write_tiny_target)
 
-from dspark.proto_gen.v1 import (
-    drafter_pb2,
-    drafter_pb2_grpc,
-    generation_pb2_grpc,
-    load_pb2,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-    verifier_pb2,
-    verifier_pb2_grpc,
-)
+from dspark.proto_gen.v1 import (drafter_pb2, drafter_pb2_grpc, generation_pb2_grpc, load_pb2, scheduler_pb2,
+                                 scheduler_pb2_grpc, verifier_pb2, verifier_pb2_grpc)
 from dspark.proto_gen.v1 import generation_pb2 as pb
 from dspark.wire import tensor_to_proto
 

@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from .attempts import Attempts
-from .channel import TlsConfig, open_aio_channel, split_addresses
+from .channel import TlsConfig, open_aio_channel
 from .proto_gen.v1 import generation_pb2 as pb
-from .proto_gen.v1 import generation_pb2_grpc
+from .replicas import Replicas
 from .request import build_request
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .types import Chunk, GenerationResult, collect
@@ -29,14 +29,9 @@ class AsyncClient:
         metadata: Metadata = (),
         options: Sequence[tuple[str, object]] = (),
     ):
-        self.addresses = split_addresses(address)
-        self.address = ",".join(self.addresses)
-        self.timeout = timeout
-        self.retry = retry
-        self.metadata = tuple(metadata)
-        self._channels = [open_aio_channel(a, tls, options) for a in self.addresses]
-        self._stubs = [generation_pb2_grpc.GenerationStub(c) for c in self._channels]
-        self._stub = self._stubs[0]
+        self.replicas = Replicas(address, open_aio_channel, tls, options)
+        self.address = self.replicas.address
+        self.timeout, self.retry, self.metadata = timeout, retry, tuple(metadata)
 
     async def generate_stream(
         self, prompt: str | None = None, *, timeout: float | None = None, metadata: Metadata = (), **params
@@ -58,12 +53,12 @@ class AsyncClient:
         return collect([chunk async for chunk in self.generate_stream(prompt, **kwargs)])
 
     async def list_models(self, *, timeout: float | None = None) -> list[pb.ModelInfo]:
-        response = await self._stub.ListModels(pb.ListModelsRequest(), timeout=timeout or self.timeout,
+        response = await self.replicas.stubs[0].ListModels(pb.ListModelsRequest(), timeout=timeout or self.timeout,
                                                metadata=self.metadata)
         return list(response.models)
 
     async def close(self) -> None:
-        for channel in self._channels:
+        for channel in self.replicas.channels:
             await channel.close()
 
     async def __aenter__(self) -> "AsyncClient":

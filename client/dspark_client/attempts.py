@@ -19,7 +19,7 @@ class Attempts:
     def start(self):
         """The next attempt's call: the next replica after a failure."""
         self.attempt += 1
-        stubs = self.client._stubs
+        stubs = self.client.replicas.stubs
         # The caller's current span (if any) parents the servers' spans; metadata passed by hand
         # comes last, so its traceparent wins.
         metadata = current_trace_metadata() + self.client.metadata + self.metadata
@@ -34,7 +34,7 @@ class Attempts:
         """Seconds to wait before the next attempt; raises the caller's error when there is none."""
         tokens = len(self.received.token_ids)
         delay = retry_delay(self.client.retry, error.code(), self.attempt, tokens, self.deadline,
-                            resumable=len(self.client._stubs) > 1)
+                            resumable=len(self.client.replicas.stubs) > 1)
         if delay is None:
             raise from_rpc_error(error, self.client.address, self.deadline.timeout, tokens) from error
         return delay

@@ -6,9 +6,9 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from .attempts import Attempts
-from .channel import TlsConfig, open_channel, split_addresses
+from .channel import TlsConfig, open_channel
 from .proto_gen.v1 import generation_pb2 as pb
-from .proto_gen.v1 import generation_pb2_grpc
+from .replicas import Replicas
 from .request import build_request
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .types import Chunk, GenerationResult, collect
@@ -34,14 +34,9 @@ class Client:
         metadata: Metadata = (),  # sent with every call (e.g. auth or trace context)
         options: Sequence[tuple[str, object]] = (),  # raw gRPC channel options
     ):
-        self.addresses = split_addresses(address)
-        self.address = ",".join(self.addresses)
-        self.timeout = timeout
-        self.retry = retry
-        self.metadata = tuple(metadata)
-        self._channels = [open_channel(a, tls, options) for a in self.addresses]
-        self._stubs = [generation_pb2_grpc.GenerationStub(c) for c in self._channels]
-        self._stub = self._stubs[0]
+        self.replicas = Replicas(address, open_channel, tls, options)
+        self.address = self.replicas.address
+        self.timeout, self.retry, self.metadata = timeout, retry, tuple(metadata)
 
     def generate_stream(
         self, prompt: str | None = None, *, timeout: float | None = None, metadata: Metadata = (), **params
@@ -63,11 +58,12 @@ class Client:
         return collect(self.generate_stream(prompt, **kwargs))
 
     def list_models(self, *, timeout: float | None = None) -> list[pb.ModelInfo]:
-        response = self._stub.ListModels(pb.ListModelsRequest(), timeout=timeout or self.timeout, metadata=self.metadata)
+        response = self.replicas.stubs[0].ListModels(pb.ListModelsRequest(), timeout=timeout or self.timeout,
+                                                     metadata=self.metadata)
         return list(response.models)
 
     def close(self) -> None:
-        for channel in self._channels:
+        for channel in self.replicas.channels:
             channel.close()
 
     def __enter__(self) -> "Client":

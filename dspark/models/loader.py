@@ -61,6 +61,17 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype=torch.float32, device="c
     return LoadedModel(model, tok, name)
 
 
+def _build(cfg: ModelConfig, state: dict, dtype) -> Transformer:
+    """The model from a state dict, without first filling memory with random weights."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    _load_state(model, state, dtype)
+    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
+    return model.to(dtype)
+
+
 def _load_state(model: Transformer, state: dict[str, torch.Tensor], dtype) -> None:
     if model.config.tie_embeddings:
         state.pop("lm_head.weight", None)
@@ -77,13 +88,7 @@ def _load_hf_dir(path: Path, dtype) -> tuple[Transformer, Tokenizer]:
     state = {}
     for f in files:
         state.update(load_file(str(path / f)))
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    _load_state(model, state, dtype)
-    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
-    return model.to(dtype), Tokenizer.from_hf_dir(path)
+    return _build(cfg, state, dtype), Tokenizer.from_hf_dir(path)
 
 
 _GGUF_NAMES = {
@@ -135,13 +140,7 @@ def _load_gguf(path: Path, dtype) -> tuple[Transformer, Tokenizer]:
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"), eos_token_ids=(eos,) if eos is not None else (),
     )
     state = _cached_dequantized(path, reader, arch, heads, kv_heads)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    _load_state(model, state, dtype)
-    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
-    return model.to(dtype), Tokenizer.from_gguf_fields(f)
+    return _build(cfg, state, dtype), Tokenizer.from_gguf_fields(f)
 
 
 def _cached_dequantized(path: Path, reader, arch: str, heads: int, kv_heads: int) -> dict[str, torch.Tensor]:

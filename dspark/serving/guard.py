@@ -12,6 +12,7 @@ internal port, the caller's credentials.
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 
@@ -102,9 +103,16 @@ async def _undecodable(method: str, request, context) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable message: {request.error}")
 
 
-def _unexpected(method: str, error: Exception):
-    log.exception("%s failed unexpectedly", method)
-    return f"internal error in {method}: {type(error).__name__}"
+@contextlib.asynccontextmanager
+async def _internal_errors(method: str, context):
+    """A bug in a handler becomes INTERNAL with one log line; gRPC's own errors and aborts pass."""
+    try:
+        yield
+    except (grpc.aio.AbortError, grpc.RpcError):
+        raise
+    except Exception as error:
+        log.exception("%s failed unexpectedly", method)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(error).__name__}")
 
 
 def wrap_handler(handler, method: str, refuse):
@@ -117,57 +125,35 @@ def wrap_handler(handler, method: str, refuse):
                 yield request
         return each()
 
-    if handler.unary_unary is not None:
-        inner = handler.unary_unary
+    async def admit(request, context):
+        await refuse(method, context)
+        await _undecodable(method, request, context)
 
+    if handler.unary_unary is not None:
         async def unary_unary(request, context):
-            await refuse(method, context)
-            await _undecodable(method, request, context)
-            try:
-                return await inner(request, context)
-            except (grpc.aio.AbortError, grpc.RpcError):
-                raise
-            except Exception as error:
-                await context.abort(grpc.StatusCode.INTERNAL, _unexpected(method, error))
+            await admit(request, context)
+            async with _internal_errors(method, context):
+                return await handler.unary_unary(request, context)
         return grpc.unary_unary_rpc_method_handler(unary_unary, decode, handler.response_serializer)
 
     if handler.unary_stream is not None:
-        inner = handler.unary_stream
-
         async def unary_stream(request, context):
-            await refuse(method, context)
-            await _undecodable(method, request, context)
-            try:
-                async for response in inner(request, context):
+            await admit(request, context)
+            async with _internal_errors(method, context):
+                async for response in handler.unary_stream(request, context):
                     yield response
-            except (grpc.aio.AbortError, grpc.RpcError):
-                raise
-            except Exception as error:
-                await context.abort(grpc.StatusCode.INTERNAL, _unexpected(method, error))
         return grpc.unary_stream_rpc_method_handler(unary_stream, decode, handler.response_serializer)
 
     if handler.stream_unary is not None:
-        inner = handler.stream_unary
-
         async def stream_unary(request_iterator, context):
             await refuse(method, context)
-            try:
-                return await inner(checked(request_iterator, context), context)
-            except (grpc.aio.AbortError, grpc.RpcError):
-                raise
-            except Exception as error:
-                await context.abort(grpc.StatusCode.INTERNAL, _unexpected(method, error))
+            async with _internal_errors(method, context):
+                return await handler.stream_unary(checked(request_iterator, context), context)
         return grpc.stream_unary_rpc_method_handler(stream_unary, decode, handler.response_serializer)
-
-    inner = handler.stream_stream
 
     async def stream_stream(request_iterator, context):
         await refuse(method, context)
-        try:
-            async for response in inner(checked(request_iterator, context), context):
+        async with _internal_errors(method, context):
+            async for response in handler.stream_stream(checked(request_iterator, context), context):
                 yield response
-        except (grpc.aio.AbortError, grpc.RpcError):
-            raise
-        except Exception as error:
-            await context.abort(grpc.StatusCode.INTERNAL, _unexpected(method, error))
     return grpc.stream_stream_rpc_method_handler(stream_stream, decode, handler.response_serializer)
