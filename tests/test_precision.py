@@ -118,3 +118,27 @@ def test_a_verification_pass_gives_each_row_the_bits_of_plain_decoding(precision
     decoded = torch.cat([model(VarlenBatch.build([[t]], [len(prompt) + j], [decode_slot]), cache).logits
                          for j, t in enumerate(block)])
     assert torch.equal(verified, decoded)
+
+
+@pytest.mark.parametrize("precision", FAST)
+def test_a_pass_gives_the_same_bits_on_one_thread_and_on_two(precision):
+    """The services run one thread each, a user's process as many as it has: a prompt's prefill and
+    its decode rows must not depend on that, or the same request would answer differently. (fp32's
+    MKL matmuls are neither batch- nor thread-invariant: it is the parity precision, not a serving one.)"""
+    model = load_model(precision=precision).model
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(100, 20000, (70,), generator=g).tolist()
+    block = torch.randint(100, 20000, (5,), generator=g).tolist()
+    before = torch.get_num_threads()
+    outputs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            cache = model.new_cache(1, 128)
+            slot = cache.allocate()
+            prefill = model(VarlenBatch.build([prompt], [0], [slot]), cache, logits_rows="all").logits
+            verify = model(VarlenBatch.build([block], [len(prompt)], [slot]), cache, logits_rows="all").logits
+            outputs.append((prefill, verify))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])

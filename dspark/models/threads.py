@@ -1,6 +1,7 @@
 """How many CPU threads torch uses: the cores this process is given, said once at start."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -34,3 +35,17 @@ def configure_threads() -> int:
     torch.set_num_threads(threads)
     log.info("torch uses %d CPU thread(s) (%s)", threads, source)
     return threads
+
+
+@contextlib.contextmanager
+def one_thread(device: torch.device):
+    """Run the block on one CPU thread (a no-op elsewhere and when there is only one)."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -16,6 +16,7 @@ from dspark.models.config import ModelConfig
 from dspark.models.kv_cache import KVCache
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, fuse_linears, rope_tables
 from dspark.models.precision import apply_precision
+from dspark.models.threads import one_thread
 
 
 @dataclass
@@ -33,7 +34,7 @@ class RowGroup:
     """New rows of one sequence whose positions fall in the same key bucket: one attention call."""
     rows: slice  # in the flattened batch
     keys: int  # keys every row of the group reads (its bucket's end, at most the cache length)
-    mask: torch.Tensor  # [1, 1, n*group, keys] additive: row j (and its group of query heads) sees keys <= its position
+    mask: torch.Tensor  # [n, 1, 1, keys] additive: row j sees keys <= its position
 
 
 @dataclass
@@ -52,7 +53,7 @@ class AttentionPlan:
     write_positions: torch.Tensor
 
 
-def row_groups(first_row: int, start: int, n: int, cache_len: int, group: int, device) -> list[RowGroup]:
+def row_groups(first_row: int, start: int, n: int, cache_len: int, device) -> list[RowGroup]:
     """Rows at positions start..start+n-1, grouped by key bucket. The keys a row reads and its mask
     depend only on its position, so a row verified in a block and the same row decoded alone make
     the same call and get the same bits: speculation stays exactly plain decoding's output."""
@@ -62,19 +63,17 @@ def row_groups(first_row: int, start: int, n: int, cache_len: int, group: int, d
         count = min(n - j, keys - (start + j))
         positions = start + j + torch.arange(count, device=device)
         hidden = torch.arange(keys, device=device)[None, :] > positions[:, None]
-        mask = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
-        mask = mask.repeat_interleave(group, 0)[None, None]
+        mask = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))[:, None, None]
         groups.append(RowGroup(slice(first_row + j, first_row + j + count), keys, mask))
         j += count
     return groups
 
 
-def plan_attention(batch: VarlenBatch, cache: KVCache | None, group: int) -> AttentionPlan:
-    """group: query heads per KV head."""
+def plan_attention(batch: VarlenBatch, cache: KVCache | None) -> AttentionPlan:
     seqs, row, device = [], 0, batch.tokens.device
     for slot, start, n in zip(batch.slot_list, batch.starts, batch.lens):
         prefill = cache is None or (start == 0 and n > 1)
-        groups = [] if prefill else row_groups(row, start, n, cache.max_len, group, device)
+        groups = [] if prefill else row_groups(row, start, n, cache.max_len, device)
         seqs.append(SeqAttention(slot, prefill, slice(row, row + n), groups))
         row += n
     slots = host_values([slot for slot, n in zip(batch.slot_list, batch.lens) for _ in range(n)], torch.long, device)
@@ -83,18 +82,18 @@ def plan_attention(batch: VarlenBatch, cache: KVCache | None, group: int) -> Att
 
 def _attend_group(q, kc, vc, group: RowGroup) -> torch.Tensor:
     """The group's rows q [n, H, hd] over the slot's first `keys` keys kc/vc [KV, L, hd], in one
-    call of SDPA's fused CPU kernel (4-D inputs: 3-D ones take its slow path). The H/KV query heads
-    of a KV head and the n rows are that head's query rows, so K/V are never copied for GQA.
-    Each query row's result does not depend on the other rows of the call (measured: 0 of 201
-    rows differ from a lone row's; the bits test checks it), so one call serves the whole group.
-    Returns [n, H*hd]."""
+    call of SDPA's fused CPU kernel (4-D inputs: 3-D ones take its slow path). Each row is a batch
+    entry of its own, its KV head's H/KV query heads that entry's query rows, and K/V a broadcast
+    view: so every row is computed exactly as a lone decode row is, whatever else the block holds.
+    (Stacking a block's rows into one entry is faster, but on some CPUs a row's bits then depend
+    on how many rows share the call; tests/test_precision.py checks.) Returns [n, H*hd]."""
     n, heads, hd = q.shape
     kv_heads = kc.shape[0]
-    per_kv = heads // kv_heads
-    rows = q.view(n, kv_heads, per_kv, hd).transpose(0, 1).reshape(1, kv_heads, n * per_kv, hd)
-    out = F.scaled_dot_product_attention(rows, kc[None, :, :group.keys], vc[None, :, :group.keys],
+    rows = q.view(n, kv_heads, heads // kv_heads, hd)
+    keys = (n, kv_heads, group.keys, hd)
+    out = F.scaled_dot_product_attention(rows, kc[None, :, :group.keys].expand(keys), vc[None, :, :group.keys].expand(keys),
                                          attn_mask=group.mask)
-    return out.view(kv_heads, n, per_kv, hd).transpose(0, 1).reshape(n, heads * hd)
+    return out.reshape(n, heads * hd)
 
 
 def _attend_prefill(q, k, v) -> torch.Tensor:
@@ -150,13 +149,17 @@ class Attention(nn.Module):
             kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]
             kc[plan.write_slots, :, plan.write_positions] = k  # every new token of the batch in one write
             vc[plan.write_slots, :, plan.write_positions] = v
-        if len(plan.seqs) == 1:
-            return self.o_proj(self._attend_one(plan.seqs[0], q, k, v, kc, vc))
-        out = torch.empty(x.shape[0], self.heads * self.head_dim, dtype=q.dtype, device=q.device)
-        # One attention call per sequence on views of its cache slot: no gathers, no padding, and
-        # a sequence's result never depends on the rest of the batch.
-        for seq in plan.seqs:
-            out[seq.rows] = self._attend_one(seq, q, k, v, kc, vc)
+        # SDPA's CPU kernel splits work by thread count, and on some CPUs the split changes a row's
+        # bits: attention runs on one thread, so a process's thread count never changes the output.
+        with one_thread(q.device):
+            if len(plan.seqs) == 1:
+                out = self._attend_one(plan.seqs[0], q, k, v, kc, vc)
+            else:
+                out = torch.empty(x.shape[0], self.heads * self.head_dim, dtype=q.dtype, device=q.device)
+                # One attention call per sequence on views of its cache slot: no gathers, no padding,
+                # and a sequence's result never depends on the rest of the batch.
+                for seq in plan.seqs:
+                    out[seq.rows] = self._attend_one(seq, q, k, v, kc, vc)
         return self.o_proj(out)
 
     @staticmethod
@@ -248,7 +251,7 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(batch.tokens)
         rope = rope_tables(cos.to(x.dtype), sin.to(x.dtype))
         captured = {}
-        plan = plan_attention(batch, cache, self.config.num_heads // self.config.num_kv_heads)
+        plan = plan_attention(batch, cache)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, plan, cache)
             if i in capture_layers:
