@@ -121,6 +121,22 @@ def test_a_verification_pass_gives_each_row_the_bits_of_plain_decoding(precision
 
 
 @pytest.mark.parametrize("precision", FAST)
+def test_a_prompt_row_has_the_bits_of_the_same_row_decoded(precision):
+    """A resumed request re-reads what it already streamed as part of one prompt: each of those
+    rows must come out as it did when it was decoded, or the resumed answer could differ."""
+    model = load_model(precision=precision).model
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(100, 20000, (70,), generator=g).tolist()
+    cache = model.new_cache(2, 128)
+    whole_slot, split_slot = cache.allocate(), cache.allocate()
+    whole = model(VarlenBatch.build([prompt], [0], [whole_slot]), cache, logits_rows="all").logits
+    model(VarlenBatch.build([prompt[:50]], [0], [split_slot]), cache)
+    decoded = torch.cat([model(VarlenBatch.build([[t]], [50 + j], [split_slot]), cache).logits
+                         for j, t in enumerate(prompt[50:])])
+    assert torch.equal(whole[50:], decoded)
+
+
+@pytest.mark.parametrize("precision", FAST)
 def test_a_pass_gives_the_same_bits_on_one_thread_and_on_two(precision):
     """The services run one thread each, a user's process as many as it has: a prompt's prefill and
     its decode rows must not depend on that, or the same request would answer differently. (fp32's

@@ -40,7 +40,7 @@ class RowGroup:
 @dataclass
 class SeqAttention:
     slot: int
-    prefill: bool  # a whole prompt from position 0 (or no cache): causal attention among its own rows
+    prefill: bool  # no cache (training, scoring): causal attention among its own rows
     rows: slice
     groups: list[RowGroup]
 
@@ -72,7 +72,10 @@ def row_groups(first_row: int, start: int, n: int, cache_len: int, device) -> li
 def plan_attention(batch: VarlenBatch, cache: KVCache | None) -> AttentionPlan:
     seqs, row, device = [], 0, batch.tokens.device
     for slot, start, n in zip(batch.slot_list, batch.starts, batch.lens):
-        prefill = cache is None or (start == 0 and n > 1)
+        # With a cache every row, a prompt's too, is computed as a lone decode row would be: a
+        # request's bits then never depend on how its tokens were split into passes (a resumed
+        # request re-reads what it streamed as one prompt).
+        prefill = cache is None
         groups = [] if prefill else row_groups(row, start, n, cache.max_len, device)
         seqs.append(SeqAttention(slot, prefill, slice(row, row + n), groups))
         row += n
@@ -97,7 +100,7 @@ def _attend_group(q, kc, vc, group: RowGroup) -> torch.Tensor:
 
 
 def _attend_prefill(q, k, v) -> torch.Tensor:
-    """A whole prompt from position 0: SDPA's causal flash path. q [n, H, hd], k/v [n, KV, hd]."""
+    """Rows with no cache behind them: SDPA's causal flash path. q [n, H, hd], k/v [n, KV, hd]."""
     n, heads, hd = q.shape
     rep = heads // k.shape[1]
     k, v = k.transpose(0, 1).repeat_interleave(rep, 0), v.transpose(0, 1).repeat_interleave(rep, 0)
