@@ -158,12 +158,12 @@ def main(argv=None) -> int:
                   f"{sum(len(w.errors) for w in workers)} errors; RSS "
                   + ", ".join(f"{n} {s[-1][1]:.0f}" for n, s in samples.items()), file=sys.stderr)
             time.sleep(args.sample_s)
+        elapsed = time.monotonic() - started
         for name, service in services.items():
-            samples[name].append((time.monotonic() - started, rss_mib(service.proc.pid)))
+            samples[name].append((elapsed, rss_mib(service.proc.pid)))
         stop.set()
         for worker in workers:
-            worker.join(300)
-        elapsed = time.monotonic() - started
+            worker.join(300)  # each finishes the request it is in
         alive = {name: service.proc.poll() is None for name, service in services.items()}
     finally:
         stop.set()
