@@ -7,8 +7,8 @@ Two quantities, kept apart by name everywhere:
                  at least a step old (docs/method.md, "The two-step rule").
 
 `verify_budget` is what the scheduler service computes off the verifier's critical path and
-what the in-process policy computes for itself; `admit` then spends a budget on the current
-drafts, best calibrated prefix survival first, within each request's draft_len. A budget never
+what the in-process policy computes for itself; the policy then spends it on the current drafts
+(`admit_top_k`), best calibrated prefix survival first, within each request's draft_len. A budget never
 sees the drafts it admits and a token never outranks its own prefix: the output stays exactly
 the target's.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from dspark.sched.calibration import apply_sts, sigmoid
-from dspark.sched.prefix_scheduler import admit_top_k, budget_from_survival, prefix_survival
+from dspark.sched.prefix_scheduler import budget_from_survival, prefix_survival
 
 
 def calibrated_survival(conf_logits, temperatures=None) -> np.ndarray:
@@ -34,8 +34,3 @@ def verify_budget(conf_logits, temperatures, sps, draft_seconds: float = 0.0) ->
     per second (an SpsTable); draft_seconds: what drafting adds to a step for these requests
     (0 = free). 0 means drafting does not pay: plain decoding."""
     return budget_from_survival(calibrated_survival(conf_logits, temperatures), sps, draft_seconds)
-
-
-def admit(conf_logits, temperatures, budget: int, draft_lens) -> np.ndarray:
-    """Verification lengths [R]: the `budget` best current drafts, request r at most draft_lens[r]."""
-    return admit_top_k(calibrated_survival(conf_logits, temperatures), budget, np.asarray(draft_lens))
