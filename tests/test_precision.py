@@ -14,7 +14,10 @@ from dspark.speculative.engine import SpecEngine
 from dspark.speculative.policy import FixedDraftLen
 from tests.spec_helpers import random_drafter, tiny_target
 
-FAST = ["int8", "bf16"]
+# bf16's kernels exist only on CPUs with AVX-512 or AVX-NE-CONVERT; elsewhere bf16 is refused, which
+# test_bf16_is_refused_where_the_cpu_has_no_kernels checks on every CPU.
+FAST = ["int8", pytest.param("bf16", marks=pytest.mark.skipif(
+    not prec.has_bf16_matmul(), reason="this CPU has no oneDNN bf16 kernels: bf16 is refused here"))]
 
 
 @pytest.mark.parametrize("precision", FAST)
@@ -33,11 +36,31 @@ def test_linear_rows_do_not_depend_on_their_batch(precision, bias):
     assert ((together - reference).norm() / reference.norm()) < 0.02
 
 
+def test_int8_keeps_7_bit_activations_where_8_would_saturate():
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 200)
+    x = torch.randn(17, 96)
+    reference = linear(x)
+    fast = prec.Int8Linear(linear)
+    assert fast.reduce_range == (not prec.has_vnni())
+    fast.reduce_range = True  # the non-VNNI path, on any CPU
+    assert ((fast(x) - reference).norm() / reference.norm()) < 0.02
+
+
+def test_bf16_is_refused_where_the_cpu_has_no_kernels(monkeypatch):
+    monkeypatch.setattr(prec, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
+    with pytest.raises(ValueError, match="bf16 needs a CPU with AVX-512"):
+        prec.resolve_precision("bf16")
+    assert prec.resolve_precision("auto") == "fp32"
+    monkeypatch.setattr(prec, "cpu_flags", lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"}))
+    assert prec.resolve_precision("bf16") == "bf16"
+
+
 def test_auto_precision_follows_the_cpu(monkeypatch):
     def flags(*names):
         monkeypatch.setattr(prec, "cpu_flags", lambda: frozenset(names))
 
-    flags("avx512f", "amx_bf16", "avx512_vnni")
+    flags("avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_bf16", "avx512_vnni")
     assert prec.resolve_precision("auto") == "bf16"
     flags("avx512f", "avx512_vnni")
     assert prec.resolve_precision("auto") == "int8"

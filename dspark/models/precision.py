@@ -39,6 +39,18 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def has_vnni() -> bool:
+    """8-bit dot products accumulate in 32 bits (AVX-512 VNNI / AVX-VNNI). Without them x86 int8 kernels
+    add pairs of u8 x s8 products in 16 bits, which saturates unless activations keep to 7 bits."""
+    return bool({"avx512_vnni", "avx_vnni"} & cpu_flags())
+
+
+def has_bf16_matmul() -> bool:
+    """oneDNN's prepacked bf16 linear runs here (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    flags = cpu_flags()
+    return "avx_ne_convert" in flags or {"avx512bw", "avx512vl", "avx512dq"} <= flags
+
+
 def add_precision_flag(ap: argparse.ArgumentParser, default: str = "auto") -> None:
     """--precision, defaulting to $DSPARK_PRECISION, else `default`."""
     ap.add_argument("--precision", default=os.environ.get("DSPARK_PRECISION", default), choices=PRECISIONS,
@@ -54,12 +66,14 @@ def resolve_precision(name: str, device: torch.device | str = "cpu") -> str:
         if name == "int8":
             raise ValueError("precision int8 runs on CPU kernels (FBGEMM) only; on cuda use bf16, fp32 or auto")
         return "bf16" if name == "auto" else name
+    if name == "bf16" and not has_bf16_matmul():
+        raise ValueError("precision bf16 needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT for oneDNN's "
+                         "bf16 kernels, and this one has neither: use fp32, int8 or auto")
     if name != "auto":
         return name
-    flags = cpu_flags()
-    if "amx_bf16" in flags:
+    if "amx_bf16" in cpu_flags():
         return "bf16"
-    if ({"avx512_vnni", "avx_vnni"} & flags) and "fbgemm" in torch.backends.quantized.supported_engines:
+    if has_vnni() and "fbgemm" in torch.backends.quantized.supported_engines:
         return "int8"
     return "fp32"
 
@@ -69,7 +83,8 @@ class Int8Linear(nn.Module):
 
     FBGEMM's dynamic linear picks one activation range for the whole batch. Each row is first
     scaled to max |x| = 1 and a guard row holding +1 and -1 is appended, so that range is always
-    [-1, 1]: every row is quantized on its own scale, exactly as if it were alone.
+    [-1, 1]: every row is quantized on its own scale, exactly as if it were alone. Without VNNI
+    the activations keep to 7 bits (FBGEMM's reduce_range), which would otherwise saturate.
     """
 
     def __init__(self, linear: nn.Linear):
@@ -86,12 +101,14 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.guard = torch.zeros(1, self.in_features)
         self.guard[0, 0], self.guard[0, -1] = 1.0, -1.0
+        self.reduce_range = not has_vnni()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Few ops on purpose: at one row each costs as much as the matmul's own overhead.
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         row_max = torch.linalg.vector_norm(flat, float("inf"), dim=-1, keepdim=True).clamp_min_(1e-12)
-        y = torch.ops.quantized.linear_dynamic(torch.cat([flat / row_max, self.guard]), self.packed, False)[:-1]
+        y = torch.ops.quantized.linear_dynamic(torch.cat([flat / row_max, self.guard]), self.packed,
+                                                self.reduce_range)[:-1]
         y = y.mul_(row_max) if self.bias is None else torch.addcmul(self.bias, y, row_max)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
