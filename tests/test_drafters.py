@@ -39,7 +39,8 @@ def make(target, kind, seed=0, **overrides):
 
 
 KINDS = [("dspark", {}), ("dspark", {"head": "rnn"}), ("dflash", {}), ("eagle3", {}),
-         ("dspark", {"draft_vocab_size": 24})]
+         ("dspark", {"draft_vocab_size": 24}), ("dspark", {"draft_vocab_size": 24, "markov_table": "compact"}),
+         ("dspark", {"head": "rnn", "markov_table": "compact"})]
 
 
 @pytest.mark.parametrize("kind,overrides", KINDS)
@@ -152,10 +153,10 @@ def test_draft_block_shapes_and_exact_support(target, sequence):
     assert torch.equal(block.support_probs[1, :, 0], torch.ones(GAMMA))  # greedy row: support of one
 
 
-@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
-def test_save_load_round_trip_gives_identical_drafts(target, sequence, kind, tmp_path):
+@pytest.mark.parametrize("kind, overrides", [("dspark", {}), ("eagle3", {}), ("dspark", {"markov_table": "compact"})])
+def test_save_load_round_trip_gives_identical_drafts(target, sequence, kind, overrides, tmp_path):
     tokens, features = sequence
-    drafter = make(target, kind, draft_vocab_size=24, version="v-test")
+    drafter = make(target, kind, draft_vocab_size=24, version="v-test", **overrides)
     save_drafter(drafter, tmp_path / "fp32", dtype=torch.float32)
     loaded = load_drafter(tmp_path / "fp32", target.model.embed_tokens.weight, target.lm_head.weight)
     assert loaded.cfg == drafter.cfg and loaded.version == "v-test"
@@ -172,6 +173,20 @@ def test_save_load_round_trip_gives_identical_drafts(target, sequence, kind, tmp
     for d in (drafter, small):
         d.extend_context("r", features[:14], tokens[:14])
     _assert_same_block(_draft_seeded(drafter, ["r"], tokens[14:15]), _draft_seeded(small, ["r"], tokens[14:15]))
+
+
+def test_compact_token_table_is_a_draft_vocab_table_plus_a_projection(target):
+    full = make(target, "dspark", draft_vocab_size=24)
+    compact = make(target, "dspark", draft_vocab_size=24, markov_table="compact")
+    table = compact.head.W1
+    assert table.rows.weight.shape == (25, 16) and table.proj.weight.shape == (16, target.config.hidden_size)
+    assert full.head.W1.weight.shape == (target.config.vocab_size, 16)
+    inside, outside = compact.draft_vocab[:3], torch.tensor([1, 3, 5])  # the draft vocab is every other id
+    with torch.no_grad():
+        projected = table.proj(compact.embed(torch.cat([inside, outside])))
+        got = compact.prev_embedding(torch.cat([inside, outside]))
+    torch.testing.assert_close(got[:3], projected[:3] + table.rows.weight[:3])
+    torch.testing.assert_close(got[3:], projected[3:] + table.rows.weight[24])  # one shared row for the rest
 
 
 def test_load_refuses_a_different_target(target, tmp_path):

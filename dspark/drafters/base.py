@@ -46,7 +46,14 @@ class Drafter(nn.Module):
         self.register_buffer("lm_head_full", lm_head_weight.detach().float(), persistent=False)
         self.register_buffer("draft_vocab", draft_vocab.long().clone())  # [V'] draft index -> target id
         self.register_buffer("lm_head_draft", self.lm_head_full[self.draft_vocab].clone(), persistent=False)
+        self.register_buffer("draft_index", self._draft_index(), persistent=False)
         self.contexts = ContextCache()
+
+    def _draft_index(self) -> torch.Tensor:
+        """[V]: target id -> draft-vocabulary index, -1 outside it."""
+        table = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=self.draft_vocab.device)
+        table[self.draft_vocab] = torch.arange(self.cfg.draft_vocab, device=self.draft_vocab.device)
+        return table
 
     # ---- identity ----
     @property
@@ -73,6 +80,7 @@ class Drafter(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         # A loaded draft vocabulary changes which LM-head rows the drafter uses.
         self.lm_head_draft = self.lm_head_full[self.draft_vocab].clone()
+        self.draft_index = self._draft_index()
 
     # ---- shared pieces ----
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -84,9 +92,7 @@ class Drafter(nn.Module):
 
     def to_draft_index(self, target_ids: torch.Tensor) -> torch.Tensor:
         """Target ids -> draft-vocabulary index, -1 for tokens outside it."""
-        table = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=target_ids.device)
-        table[self.draft_vocab] = torch.arange(self.cfg.draft_vocab, device=target_ids.device)
-        return table[target_ids]
+        return self.draft_index[target_ids]
 
     def sample_slot(self, logits: torch.Tensor, temperatures: torch.Tensor, generators: list,
                     forced: torch.Tensor | None = None):

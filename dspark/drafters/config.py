@@ -7,6 +7,7 @@ from dspark.models.config import ModelConfig
 
 KINDS = ("dspark", "dflash", "eagle3")
 HEADS = ("markov", "rnn", None)
+TOKEN_TABLES = ("full", "compact")
 
 
 @dataclass
@@ -23,6 +24,7 @@ class DrafterConfig:
     gamma: int = 7  # block size: draft tokens per block
     head: str | None = "markov"  # DSpark sequential head: "markov" | "rnn" | None
     markov_rank: int = 256  # r of W1 (V x r) and W2 (r x V')
+    markov_table: str = "full"  # W1: "full" (V x r) | "compact" (V' x r + a d x r projection; heads.py)
     confidence: bool = True  # DSpark confidence head
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
@@ -36,6 +38,8 @@ class DrafterConfig:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
+        if self.markov_table not in TOKEN_TABLES:
+            raise ValueError(f"markov_table must be one of {TOKEN_TABLES}, got {self.markov_table!r}")
         if self.kind != "dspark":  # the baselines have no sequential or confidence head
             self.head, self.confidence = None, False
         if self.kind == "eagle3":

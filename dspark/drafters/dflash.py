@@ -12,7 +12,7 @@ from torch import nn
 
 from dspark.drafters.base import DraftBlock, Drafter
 from dspark.drafters.block_layer import BlockDecoderLayer
-from dspark.drafters.heads import run_teacher_forced
+from dspark.drafters.heads import CompactTokenTable, run_teacher_forced
 from dspark.models.layers import RMSNorm, Rotary
 
 
@@ -59,10 +59,18 @@ class ParallelDrafter(Drafter):
             x = layer(x, cos, sin, k_ctx, v_ctx, ctx_visible)
         return self.norm(x)
 
+    def prev_embedding(self, prev: torch.Tensor) -> torch.Tensor:
+        """W1[x_{k-1}] of the sequential head, for target ids of any shape."""
+        table = self.head.W1
+        if isinstance(table, CompactTokenTable):
+            return table(self.embed(prev), self.to_draft_index(prev))
+        return table(prev)
+
     def slot_outputs(self, hidden: torch.Tensor, prev: torch.Tensor):
         """Teacher-forced slot logits [A, g, V'] (U_k, plus B_k with a head) and confidence logits or None."""
         logits = self.draft_logits(hidden)
-        bias, conf = run_teacher_forced(self.head, self.confidence_head, hidden, prev)
+        prev_emb = self.prev_embedding(prev) if self.head is not None else None  # [A, g, r], one lookup
+        bias, conf = run_teacher_forced(self.head, self.confidence_head, hidden, prev_emb)
         return (logits if bias is None else logits + bias), conf
 
     # ---- training ----
@@ -111,7 +119,7 @@ class ParallelDrafter(Drafter):
         for k in range(self.gamma):
             logits, prev_emb = base[:, k], None
             if self.head is not None:
-                prev_emb = self.head.W1(prev)
+                prev_emb = self.prev_embedding(prev)
                 bias, state = self.head.step(hidden[:, k], prev_emb, state)
                 logits = logits + bias
             if self.confidence_head is not None:

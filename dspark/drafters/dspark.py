@@ -14,8 +14,8 @@ class DSparkDrafter(ParallelDrafter):
         super().__init__(cfg, embed_weight, lm_head_weight, draft_vocab)
         cfg = self.cfg
         if cfg.head == "markov":
-            self.head = MarkovHead(cfg.vocab_size, cfg.markov_rank, cfg.draft_vocab)
+            self.head = MarkovHead(cfg.vocab_size, cfg.markov_rank, cfg.draft_vocab, cfg.hidden_size, cfg.markov_table)
         elif cfg.head == "rnn":
-            self.head = RNNHead(cfg.vocab_size, cfg.markov_rank, cfg.draft_vocab, cfg.hidden_size)
+            self.head = RNNHead(cfg.vocab_size, cfg.markov_rank, cfg.draft_vocab, cfg.hidden_size, cfg.markov_table)
         if cfg.confidence:
             self.confidence_head = ConfidenceHead(cfg.hidden_size, cfg.markov_rank if self.head is not None else 0)

@@ -33,6 +33,8 @@ class TrainConfig:
     ttt_decay: float = 0.8
     seed: int = 0
     save_every: int = 200
+    eval_every: int = 0  # held-out loss every N steps (0: never; needs held-out sequences)
+    eval_sequences: int = 16  # how many held-out sequences each evaluation reads (the same ones each time)
     keep_checkpoints: int = 2
 
     @classmethod

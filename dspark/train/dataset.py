@@ -10,13 +10,15 @@ safetensors shards holding, for all their sequences back to back:
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from dspark.models.batch import VarlenBatch
 
@@ -78,14 +80,39 @@ def target_features(model, tokens: torch.Tensor, ctx_layers: list[int]) -> tuple
     return out.features.float(), out.hidden.float()
 
 
+@torch.no_grad()
+def target_features_and_lse(model, tokens: torch.Tensor, ctx_layers: list[int], chunk: int = 256):
+    """target_features plus the full-vocabulary logsumexp of every row's logits [L] (float32), from the
+    bf16-rounded hidden state the cache keeps (so it normalises exactly the logits training computes)."""
+    features, hidden = target_features(model, tokens, ctx_layers)
+    hidden = hidden.to(torch.bfloat16).float()
+    weight = model.output_weight.float()
+    lse = torch.cat([torch.logsumexp(hidden[i:i + chunk] @ weight.T, -1) for i in range(0, hidden.shape[0], chunk)])
+    return features, hidden, lse
+
+
 class OnlineDataset:
-    """The same Sequence fields computed on the fly from the target (no cache on disk)."""
+    """The same Sequence fields computed on the fly from the target.
+
+    cache_dir: keep each sequence's features (bf16, as the cached format stores them) and its
+    target logsumexp on disk the first time they are computed, named by a hash of the tokens, the
+    layers and the target, so a second pass, a resumed run or the next drafter's run reads them
+    instead of running the target again (about 7 KB a token for SmolLM2-135M's five layers).
+    """
 
     def __init__(self, model, sequences: list[tuple[torch.Tensor, torch.Tensor]], ctx_layers: list[int],
-                 target_name: str = ""):
+                 target_name: str = "", cache_dir: str | Path | None = None):
         self.model, self.sequences, self._ctx_layers = model, sequences, list(ctx_layers)
         self.meta = {"target": target_name, "ctx_layers": self._ctx_layers,
                      "hidden_size": model.config.hidden_size, "num_sequences": len(sequences)}
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        if self.cache_dir is not None:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+
+    def _cache_path(self, tokens: torch.Tensor) -> Path:
+        key = hashlib.sha256(tokens.to(torch.int64).numpy().tobytes()
+                             + json.dumps([self.meta["target"], self._ctx_layers]).encode()).hexdigest()[:32]
+        return self.cache_dir / key[:2] / f"{key}.safetensors"
 
     @property
     def ctx_layers(self) -> list[int]:
@@ -96,8 +123,22 @@ class OnlineDataset:
 
     def __getitem__(self, i: int) -> Sequence:
         tokens, loss_mask = self.sequences[i]
-        features, final_hidden = target_features(self.model, tokens, self._ctx_layers)
-        return Sequence(tokens.long(), loss_mask.bool(), features, final_hidden)
+        if self.cache_dir is None:
+            features, final_hidden = target_features(self.model, tokens, self._ctx_layers)
+            return Sequence(tokens.long(), loss_mask.bool(), features, final_hidden)
+        path = self._cache_path(tokens)
+        if path.exists():
+            stored = load_file(str(path))
+        else:
+            features, hidden, lse = target_features_and_lse(self.model, tokens, self._ctx_layers)
+            stored = {"features": features.to(torch.bfloat16), "final_hidden": hidden.to(torch.bfloat16),
+                      "target_lse": lse}
+            path.parent.mkdir(exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            save_file(stored, str(tmp))
+            tmp.rename(path)  # a cache file is either whole or absent
+        return Sequence(tokens.long(), loss_mask.bool(), stored["features"].float(), stored["final_hidden"].float(),
+                        stored["target_lse"])
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         counts = torch.zeros(vocab_size, dtype=torch.long)

@@ -1,6 +1,11 @@
 """Train a DSpark, DFlash or EAGLE-3 drafter on cached target features (method.md 3).
 
     python -m dspark.train.trainer --config dspark/train/configs/dspark.json --data DATA --out OUT
+    python -m dspark.train.trainer --config ... --regen datasets/train/regen --feature-cache CACHE --out OUT
+
+--data reads a cached dataset (prepare.py); --regen reads the regenerated token ids and runs the
+target teacher-forced for their features (kept in --feature-cache, so later passes and the other
+drafters' runs read them), holding out a share of the records for the held-out loss.
 
 Config (plain JSON): {"drafter": {DrafterConfig fields, "kind" required}, "train": {see
 TrainConfig in config.py}, "target": optional model name/path for the embedding and LM head (default: the
@@ -31,7 +36,8 @@ from dspark.drafters.config import DrafterConfig
 from dspark.train import losses
 from dspark.train.anchors import sample_anchors, sample_rows, slot_validity, ttt_validity
 from dspark.train.config import TrainConfig, load_train_config
-from dspark.train.dataset import CachedDataset, Sequence
+from dspark.train.dataset import CachedDataset, OnlineDataset, Sequence
+from dspark.train.regen_data import load_split
 
 
 def lr_factor(step: int, t: TrainConfig) -> float:
@@ -198,16 +204,50 @@ def sequence_to(seq: Sequence, device: torch.device) -> Sequence:
                                        for f in dataclasses.fields(seq) if getattr(seq, f.name) is not None})
 
 
+@torch.no_grad()
+def held_out_loss(drafter, heldout, t: TrainConfig, lse: TargetLSE, device) -> dict:
+    """Mean loss and teacher-forced accepted length over the first eval_sequences held-out sequences,
+    with the same anchors every time (a fixed seed), so evaluations compare across steps."""
+    gen = torch.Generator().manual_seed(t.seed + 104729)
+    budget = t.max_block_tokens // t.batch_sequences
+    was_training = drafter.training
+    drafter.eval()
+    logs = []
+    for index in range(min(t.eval_sequences, len(heldout))):
+        raw = heldout[index]
+        seq, offset = crop(raw, t.max_seq_len, gen)
+
+        def seq_lse(positions, index=index, raw=raw, offset=offset):
+            return lse(index, raw, positions + offset)
+
+        result = sequence_loss(drafter, sequence_to(seq, torch.device(device)), seq_lse, t, budget, gen)
+        if result is not None:
+            logs.append({k: (v.item() if torch.is_tensor(v) else v) for k, v in result.items()})
+    drafter.train(was_training)
+    if not logs:
+        return {}
+    mean = _mean_logs(logs)
+    return {"heldout_loss": mean["loss"], "heldout_accept_len": _accept_len(mean["accept"])} if "accept" in mean \
+        else {"heldout_loss": mean["loss"]}
+
+
+def _accept_len(accept: list[float]) -> float:
+    """Teacher-forced expected accepted length from per-slot acceptance: sum_k prod_{i<=k} alpha_i."""
+    alphas = torch.tensor([0.0 if math.isnan(a) else a for a in accept])
+    return float(alphas.cumprod(0).sum())
+
+
 def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str | Path, resume: bool = True,
           target=None, dataset=None, show_progress: bool = True, stop_after: int | None = None,
-          device: torch.device | str = "cpu") -> dict:
+          device: torch.device | str = "cpu", heldout=None) -> dict:
     """Train to the step budget (resuming from out_dir's latest checkpoint); return a summary.
 
     target: a dspark Transformer giving the embedding / LM head (default: load config["target"]
     or the dataset's target). dataset: any object with the CachedDataset interface (default:
     CachedDataset(data_dir)). stop_after: end this run (after a checkpoint) once that many steps
     are done in total, e.g. to time-box a session; a later call resumes. device: where the
-    drafter trains (the data stays on the host until its step).
+    drafter trains (the data stays on the host until its step). heldout: sequences never trained
+    on (same interface as the dataset), read every train.eval_every steps for the held-out loss.
     """
     cfg = load_train_config(config)
     t = cfg["train"]
@@ -244,6 +284,7 @@ def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str |
     log_path.write_text("".join(line + "\n" for line in kept))  # drop lines past the checkpoint
 
     lse = TargetLSE(drafter.lm_head_full)
+    heldout_lse = TargetLSE(drafter.lm_head_full)
     order = DataOrder(len(data), t.seed)
     batch, budget = t.batch_sequences, t.max_block_tokens // t.batch_sequences
     n_params = sum(p.numel() for p in params)
@@ -276,9 +317,10 @@ def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str |
         seconds = time.perf_counter() - began
         record = {"step": step + 1, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "seconds": seconds,
                   **(_mean_logs(logs) if logs else {})}
-        if "accept" in record:  # teacher-forced expected accepted length: sum_k prod_{i<=k} alpha_i
-            alphas = torch.tensor([0.0 if math.isnan(a) else a for a in record["accept"]])
-            record["accept_len"] = float(alphas.cumprod(0).sum())
+        if "accept" in record:
+            record["accept_len"] = _accept_len(record["accept"])
+        if heldout is not None and t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+            record.update(held_out_loss(drafter, heldout, t, heldout_lse, device))
         with log_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         durations.append(seconds)
@@ -308,13 +350,16 @@ def plot_losses(records: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [k for k in ("loss", "ce", "tv", "conf", "soft_ce", "accept_len") if any(k in r for r in records)]
+    keys = [k for k in ("loss", "ce", "tv", "conf", "soft_ce", "heldout_loss", "accept_len", "heldout_accept_len")
+            if any(k in r for r in records)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for k in keys:
         pts = [(r["step"], r[k]) for r in records if k in r]
-        axes[1 if k == "accept_len" else 0].plot(*zip(*pts), label=k, linewidth=1)
+        held = k.startswith("heldout")
+        axes[1 if k.endswith("accept_len") else 0].plot(*zip(*pts), label=k, linewidth=2 if held else 1,
+                                                        marker="o" if held else None, markersize=3)
     axes[0].set_xlabel("step"), axes[0].set_title("training losses"), axes[0].legend()
-    axes[1].set_xlabel("step"), axes[1].set_title("teacher-forced expected accepted length")
+    axes[1].set_xlabel("step"), axes[1].set_title("teacher-forced expected accepted length"), axes[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -323,7 +368,12 @@ def plot_losses(records: list[dict], path: Path) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="training config JSON (dspark/train/configs/)")
-    parser.add_argument("--data", required=True, help="cached dataset directory (meta.json + shards)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", help="cached dataset directory (meta.json + shards)")
+    source.add_argument("--regen", help="regenerated shards (dspark.train.regenerate); features computed online")
+    parser.add_argument("--feature-cache", help="with --regen: keep the computed features here (about 7 KB a token)")
+    parser.add_argument("--held-out-share", type=float, default=0.02, help="with --regen: records held out")
+    parser.add_argument("--max-seq-len", type=int, default=2048, help="with --regen: longer records are cut")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
@@ -332,7 +382,21 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = device_or_exit(args.device, "trainer")
-    summary = train(args.config, args.data, args.out, resume=not args.no_resume, device=device)
+    target = dataset = heldout = None
+    if args.regen:
+        from dspark.models.config import spread_layers
+        from dspark.models.loader import load_model
+
+        name = load_train_config(args.config).get("target") or "smollm2-135m"
+        target = load_model(name).model  # fp32: the features every serving precision approximates
+        layers = spread_layers(target.config.num_layers, 5)
+        train_part, held_part = load_split(args.regen, args.held_out_share, args.max_seq_len)
+        dataset, heldout = (OnlineDataset(target, [(s.tokens, s.loss_mask) for s in part], layers, name,
+                                          args.feature_cache) for part in (train_part, held_part))
+        print(f"{args.regen}: {len(train_part)} training and {len(held_part)} held-out sequences, "
+              f"{sum(int(s.loss_mask.sum()) for s in train_part)} supervised tokens")
+    summary = train(args.config, args.data, args.out, resume=not args.no_resume, device=device,
+                    target=target, dataset=dataset, heldout=heldout)
     print(json.dumps(summary, indent=2))
 
 
