@@ -93,9 +93,12 @@ def start_stack(name: str, flags: dict | None, drafter_addr: str, args, log_dir:
     from service_helpers import start_scheduler, start_verifier, wait_registered, wait_serving
 
     scheduler, s_addr = start_scheduler(log_dir, [])
+    from dspark.models.threads import available_cores
+
+    # Every core, as a deployed verifier has (the test helpers default a service to one thread).
     verifier, v_addr = start_verifier(args.model, log_dir, drafter_addr if flags is not None else "", s_addr,
                                       max_batch=max(args.concurrency), max_len=1024, drafter_timeout_s=30,
-                                      **(flags or {}))
+                                      env={"OMP_NUM_THREADS": str(available_cores())}, **(flags or {}))
     services = [verifier, scheduler]
     try:
         for service, address in ((verifier, v_addr), (scheduler, s_addr)):

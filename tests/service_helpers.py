@@ -72,9 +72,8 @@ class Service:
         self.module, self.args = module, args
         self.name = name or module
         self.log_path = log_dir / f"{self.name}-{int(time.time() * 1000) % 10**8}.log"
-        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                        DSPARK_INTERNAL_TOKEN=os.environ.get("DSPARK_INTERNAL_TOKEN", TOKEN),
-                        **(env or {}))
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    "DSPARK_INTERNAL_TOKEN": os.environ.get("DSPARK_INTERNAL_TOKEN", TOKEN), **(env or {})}
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=full_env,
                                      stdout=self._log, stderr=subprocess.STDOUT)
@@ -136,14 +135,15 @@ def start_drafter(target: str, log_dir: Path, port: int | None = None, **flags) 
 
 
 def start_verifier(target: str, log_dir: Path, drafter: str, scheduler: str = "", port: int | None = None,
-                   **flags) -> tuple[Service, str]:
+                   env: dict | None = None, **flags) -> tuple[Service, str]:
+    """env: extra environment (tests run every service on one thread; a benchmark may want more)."""
     port = port or free_port()
     scheduler = ",".join(internal_address(s) for s in scheduler.split(",") if s)
     args = [f"--port={port}", f"--model={target}", f"--drafter-addr={drafter}", f"--scheduler-addr={scheduler}",
             f"--verifier-id=verifier-{port}", "--max-batch=16", "--max-len=1024", "--grace-s=5",
             "--drafter-timeout-s=1"]
     args += [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
-    return Service("verifier_svc", args, log_dir, f"verifier-{port}"), f"127.0.0.1:{port}"
+    return Service("verifier_svc", args, log_dir, f"verifier-{port}", env=env), f"127.0.0.1:{port}"
 
 
 def start_scheduler(log_dir: Path, verifiers: list[str], redis_url: str = "", port: int | None = None,

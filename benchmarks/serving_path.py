@@ -1,0 +1,146 @@
+"""What the serving path costs: plain decoding (no drafter) through the scheduler and verifier
+services against the same engine in this process, same model, precision, prompts and greedy
+text, in one run (issue 13: >= 0.9x in-process at c = 1, >= 0.95x at c = 16).
+
+    python benchmarks/serving_path.py [--concurrency 1 16] [--max-tokens 64] [--rounds 3]
+
+A round at concurrency c: c requests at once (c client threads through the services; c sequences
+in one continuous batch in process), tokens/s = tokens / wall time. Rounds alternate which side
+goes first; the median round counts. Also prints the verifier's own engine time per step (its
+Prometheus histogram), so the gap splits into engine work and everything around it.
+Writes benchmarks/results/serving_path.{json,png}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+OUT = REPO / "benchmarks" / "results"
+
+
+def in_process_round(engine, prompt_ids: list[list[int]], max_tokens: int) -> dict:
+    from dspark.sampling import SamplingParams
+
+    start = time.perf_counter()
+    seqs = [engine.add(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0)) for ids in prompt_ids]
+    while engine.has_work():
+        engine.step()
+    elapsed = time.perf_counter() - start
+    outputs = [list(s.output) for s in seqs]
+    return dict(tps=sum(map(len, outputs)) / elapsed, outputs=outputs)
+
+
+def services_round(address: str, prompts: list[str], max_tokens: int) -> dict:
+    from concurrency import run_level
+
+    row = run_level(address, len(prompts), prompts, 1, max_tokens)
+    return dict(tps=row["total_tps"], outputs=[row["outputs"][i] for i in range(len(prompts))])
+
+
+def engine_seconds(metrics_url: str) -> tuple[float, float]:
+    """(sum, count) of the verifier's engine step histogram."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    total = count = 0.0
+    for name, value in re.findall(r"^dspark_step_latency_seconds_(sum|count)\S* ([0-9.e+-]+)$", text, re.M):
+        if name == "sum":
+            total += float(value)
+        else:
+            count += float(value)
+    return total, count
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(OUT / "serving_path"))
+    args = ap.parse_args(argv)
+
+    from concurrency import eval_prompts
+    from service_helpers import free_port, start_scheduler, start_verifier, wait_registered, wait_serving
+
+    import torch
+
+    from dspark.engine.generate import Engine
+    from dspark.models.loader import load_model
+    from dspark.models.threads import configure_threads
+
+    configure_threads()
+    prompts = eval_prompts(max(args.concurrency), REPO / "datasets" / "eval")
+    loaded = load_model(args.model, precision="auto")  # what the verifier serves by default
+    ids = [loaded.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    engine = Engine(loaded.model, max_batch=max(args.concurrency), max_len=1024)
+
+    log_dir = Path(tempfile.mkdtemp(prefix="serving_path_"))
+    metrics_port = free_port()
+    scheduler, s_addr = start_scheduler(log_dir, [])
+    # The verifier gets the threads this process's engine has (test helpers default to one).
+    verifier, v_addr = start_verifier(args.model, log_dir, "", s_addr, max_batch=max(args.concurrency), max_len=1024,
+                                      metrics_port=metrics_port, env={"OMP_NUM_THREADS": str(torch.get_num_threads())})
+    results = {}
+    try:
+        for service, address in ((verifier, v_addr), (scheduler, s_addr)):
+            wait_serving(address, service, timeout=900)
+        wait_registered(s_addr, 1)
+        services_round(s_addr, prompts[:2], 8)  # first-call allocations, not measured
+        in_process_round(engine, ids[:2], 8)
+        for c in args.concurrency:
+            rounds = {"in-process": [], "services": []}
+            for r in range(args.rounds):
+                for side in (["in-process", "services"] if r % 2 == 0 else ["services", "in-process"]):
+                    if side == "services":
+                        before = engine_seconds(f"http://127.0.0.1:{metrics_port}/metrics")
+                        row = services_round(s_addr, prompts[:c], args.max_tokens)
+                        after = engine_seconds(f"http://127.0.0.1:{metrics_port}/metrics")
+                        row["engine_step_ms"] = 1e3 * (after[0] - before[0]) / max(1.0, after[1] - before[1])
+                    else:
+                        started = time.perf_counter()
+                        row = in_process_round(engine, ids[:c], args.max_tokens)
+                        row["engine_step_ms"] = 1e3 * (time.perf_counter() - started) / max(map(len, row["outputs"]))
+                    rounds[side].append(row)
+                    print(f"c={c:<3} round {r + 1}/{args.rounds} {side:10} {row['tps']:7.2f} tokens/s  "
+                          f"engine {row['engine_step_ms']:.1f} ms/step", flush=True)
+            same = rounds["in-process"][0]["outputs"] == rounds["services"][0]["outputs"]
+            median = {side: statistics.median(r["tps"] for r in rows) for side, rows in rounds.items()}
+            step_ms = {side: statistics.median(r["engine_step_ms"] for r in rows) for side, rows in rounds.items()}
+            results[c] = dict(in_process=median["in-process"], services=median["services"],
+                              ratio=median["services"] / median["in-process"], same_text=same,
+                              step_ms=step_ms, rounds={s: [r["tps"] for r in rows] for s, rows in rounds.items()})
+    finally:
+        for service in (verifier, scheduler):
+            service.terminate(30)
+
+    print("\n| concurrency | in-process tokens/s | services tokens/s | services / in-process | same greedy text |")
+    print("|---|---|---|---|---|")
+    for c, row in results.items():
+        print(f"| {c} | {row['in_process']:.1f} | {row['services']:.1f} | {row['ratio']:.2f}x | {row['same_text']} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(dict(max_tokens=args.max_tokens, results=results), indent=2))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from plotting import grouped_bars, save_figure
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    grouped_bars(ax, [f"c = {c}" for c in results], {"in-process": [r["in_process"] for r in results.values()],
+                                                      "services": [r["services"] for r in results.values()]})
+    ax.set_ylabel("tokens/s"), ax.set_title("plain decoding: through the services vs in process")
+    save_figure(fig, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
