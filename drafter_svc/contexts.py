@@ -99,9 +99,9 @@ def draft_seed(seed: int, position: int) -> int:
 
 @torch.inference_mode()
 def answer(drafter: Drafter, stream: int, keys: OrderedDict, request: drafter_pb2.DraftRequest,
-           width: int, limits: Limits) -> drafter_pb2.DraftResponse:
-    """One DraftRequest -> one DraftResponse; `keys` tracks the stream's contexts, least recently
-    used first."""
+           width: int, limits: Limits) -> drafter_pb2.DraftResponse | None:
+    """One DraftRequest -> one DraftResponse (None for a context push, which drafts nothing);
+    `keys` tracks the stream's contexts, least recently used first."""
     updates = decode_updates(request, width, limits)
     for update in request.sequences:
         if update.release:
@@ -124,6 +124,8 @@ def answer(drafter: Drafter, stream: int, keys: OrderedDict, request: drafter_pb
         keys.move_to_end(key)
         drafting.append(update)
     evict(drafter, keys, limits.max_contexts, keep={context_key(stream, u.request_id) for u in drafting})
+    if request.context_only:
+        return None
     blocks = {}
     if drafting:
         gens = [torch.Generator().manual_seed(draft_seed(u.seed, u.context_len + len(u.tokens)))

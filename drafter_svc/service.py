@@ -63,10 +63,13 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 except WireError as error:
                     # Only this stream ends; its verifier reconnects and resends from scratch.
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                metrics.DRAFTER_CONTEXTS.set(len(self.drafter.contexts))
+                if response is None:  # a context push: nothing to answer
+                    metrics.CONTEXT_PUSHES.inc()
+                    continue
                 if tracing.enabled():
                     record_draft_spans(request, response, stream, started, time.time_ns())
                 metrics.DRAFT_REQUESTS.inc()
-                metrics.DRAFTER_CONTEXTS.set(len(self.drafter.contexts))
                 yield response
         finally:
             # The verifier is gone (or reconnecting): every context it had here is garbage now.

@@ -49,6 +49,9 @@ class OracleDrafter:
     def release(self, req_id):
         self.ctx.pop(req_id, None)
 
+    def push(self):
+        pass
+
     def draft(self, req_ids, anchors, temperatures, generators):
         rows = []
         for r in req_ids:

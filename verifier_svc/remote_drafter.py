@@ -1,7 +1,9 @@
 """RemoteDrafter: the Drafter interface SpecEngine expects, over one long-lived DraftStream.
 
-extend_context / rollback / release only buffer per-request updates; draft() sends them all in
-one DraftRequest with the anchors and waits (up to a deadline) for the blocks. Any failure
+extend_context / rollback / release only buffer per-request updates; push() sends the new
+positions without waiting (a context-only request, after every step, drafting or not), and
+draft() sends what is left in one DraftRequest with the anchors and waits (up to a deadline)
+for the blocks. Any failure
 raises DrafterUnavailable, so that step runs as plain decoding, and a background thread
 reconnects; context_len then reports 0 so SpecEngine resends whole contexts. All calls but
 close() come from the one engine thread.
@@ -200,6 +202,27 @@ class RemoteDrafter:
         """We no longer know what the drafter holds: make SpecEngine resend from 0."""
         self._known.clear()
         self._pending.clear()
+
+    def push(self) -> None:
+        """Send every buffered new position now, drafting nothing: the drafter extends its contexts
+        while the target runs, so the next draft waits only for the draft. No answer comes back;
+        a context the drafter turns out not to hold shows up as context_missing at the next draft.
+        Releases and pure rollbacks stay buffered for the next draft request."""
+        link = self._link
+        if link is None or not link.alive:
+            return  # draft() notices, and resets what we know
+        request = drafter_pb2.DraftRequest(step=self._step, context_only=True)
+        for req_id, pending in list(self._pending.items()):
+            if not pending.tokens:
+                continue
+            update = request.sequences.add(request_id=req_id, context_len=pending.base, tokens=pending.tokens)
+            update.hidden.CopyFrom(tensor_to_proto(torch.cat(pending.features)))
+            self._known[req_id] = pending.length
+            self._sent.add(req_id)
+            del self._pending[req_id]
+        if request.sequences:
+            link.requests.put(request)
+            metrics.DRAFTER_LINK_BYTES.labels("to_drafter").inc(request.ByteSize())
 
     # ---- drafting --------------------------------------------------------------------------
     def draft(self, req_ids, anchors, temperatures, generators, forced_tokens=None, return_logits=False) -> DraftBlock:

@@ -121,6 +121,9 @@ class Drafter(nn.Module):
     def extend_context(self, req_id: str, features: torch.Tensor, tokens: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def push(self) -> None:
+        """Nothing to send: a local drafter's context is current as soon as it is extended."""
+
     def draft(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor, generators: list,
               forced_tokens: torch.Tensor | None = None, return_logits: bool = False) -> DraftBlock:
         """Batched over requests; request i's anchor sits at position context_len(req_ids[i]).

@@ -2,10 +2,11 @@
 (verifier_svc.remote_drafter.RemoteDrafter). SpecEngine is typed against this, nothing more.
 
 Per request the drafter keeps a context: the target features of decided positions 0..n-1.
-The loop keeps it current (extend_context, rollback to what it knows was kept) and asks for a
-block after each request's anchor. A remote drafter may lose a context (restart): context_len
-then says what it still has and the loop resends from there. Failures to reach a remote drafter
-raise dspark.speculative.errors.DrafterUnavailable; the step then verifies no drafts.
+The loop keeps it current (extend_context, rollback to what it knows was kept; after every step
+push, which sends a remote drafter its new positions at once) and asks for a block after each
+request's anchor. A remote drafter may lose a context (restart): context_len then says what it
+still has and the loop resends from there. Failures to reach a remote drafter raise
+dspark.speculative.errors.DrafterUnavailable; the step then verifies no drafts.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ class DrafterContract(Protocol):
     def rollback(self, req_id: str, n_ctx: int) -> None: ...
 
     def release(self, req_id: str) -> None: ...
+
+    def push(self) -> None: ...  # after each step: a remote drafter sends new positions now (local: nothing)
 
     def draft(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor,
               generators: list) -> DraftBlock: ...

@@ -31,6 +31,7 @@ DRAFTER_LINK_BYTES_PER_STEP = Histogram("dspark_drafter_link_bytes_per_step", "B
 DRAFTER_UNAVAILABLE = Counter("dspark_drafter_unavailable", "Steps run as plain decoding: drafter failed")
 # Drafter.
 DRAFT_REQUESTS = Counter("dspark_drafter_requests", "DraftRequests answered")
+CONTEXT_PUSHES = Counter("dspark_drafter_context_pushes", "Context-only DraftRequests applied (no answer)")
 DRAFTER_CONTEXTS = Gauge("dspark_drafter_contexts", "Request contexts held by the drafter")
 # Scheduler.
 QUEUE_DEPTH = Gauge("dspark_queue_depth", "Requests waiting for a verifier with room")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.device import host_values
+from dspark.drafters.base import Drafter
 from dspark.drafters.contract import DrafterContract
 from dspark.engine.generate import Engine
 from dspark.engine.sampler import row_probs
@@ -134,6 +135,19 @@ class SpecEngine(Engine):
             self.drafter.extend_context(seq.req_id, feats.float(), toks)
             spec.drafter_synced = seq.cached
 
+    def _push_context(self) -> None:
+        """Every running request's new decided positions go to a remote drafter now, drafting or not:
+        it extends its contexts while the next target pass runs (RemoteDrafter.push). A local
+        drafter would only do the same work sooner on this thread: it is extended when it drafts."""
+        if self.drafter is None or isinstance(self.drafter, Drafter):
+            return
+        try:
+            for seq in self.running:
+                self._sync_drafter(seq)
+            self.drafter.push()
+        except DrafterUnavailable:
+            pass  # the next draft finds out what it holds and resends
+
     def _draft(self, seqs: list[Sequence]):
         if self.drafter is None or not seqs:
             return None, [0] * len(seqs)
@@ -183,6 +197,7 @@ class SpecEngine(Engine):
         step = self._build(admitted, decoding, block_tokens, lens)
         num_acc, out_tokens = self._verify(step, block)
         events = self._commit(step, num_acc, out_tokens, block)
+        self._push_context()
         self.last_report.draft_seconds, self.last_report.drafted = draft_seconds, block is not None
         self.last_report.seconds = time.perf_counter() - t0
         return events

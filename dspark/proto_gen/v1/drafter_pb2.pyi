@@ -37,12 +37,14 @@ class SequenceUpdate(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., anchor_token: _Optional[int] = ..., context_len: _Optional[int] = ..., temperature: _Optional[float] = ..., release: _Optional[bool] = ..., seed: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("step", "sequences")
+    __slots__ = ("step", "sequences", "context_only")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_ONLY_FIELD_NUMBER: _ClassVar[int]
     step: int
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceUpdate]
-    def __init__(self, step: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ...) -> None: ...
+    context_only: bool
+    def __init__(self, step: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., context_only: _Optional[bool] = ...) -> None: ...
 
 class SequenceDraft(_message.Message):
     __slots__ = ("request_id", "tokens", "confidence_logits", "support_ids", "support_probs", "context_missing")

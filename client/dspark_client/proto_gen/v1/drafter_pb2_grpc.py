@@ -51,7 +51,8 @@ class DrafterServicer:
 
     def DraftStream(self, request_iterator, context):
         """One DraftRequest per verifier step for its whole running batch; the drafter answers
-        each with one DraftResponse, in order. One long-lived stream per verifier.
+        each with one DraftResponse, in order (context_only requests get none). One long-lived
+        stream per verifier.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,91 @@
+"""Context push (issue 13): after every step the verifier sends a remote drafter its new decided
+positions without waiting, so the next draft carries no context and waits only for the draft."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from service_helpers import TOKEN, start_drafter, wait_serving, write_tiny_target
+from spec_helpers import random_drafter, tiny_target
+
+from drafter_svc.__main__ import load, parse_args
+from drafter_svc.contexts import Limits, answer
+from dspark.proto_gen.v1 import drafter_pb2
+from dspark.serving import config
+from dspark.wire import tensor_to_proto
+from verifier_svc.remote_drafter import RemoteDrafter
+
+
+def _update(req, n, ctx, width):
+    return drafter_pb2.SequenceUpdate(request_id=req, tokens=list(range(5, 5 + n)), context_len=ctx,
+                                      hidden=tensor_to_proto(torch.randn(n, width).bfloat16()))
+
+
+def test_a_context_push_extends_and_answers_nothing_and_skips_what_it_does_not_hold():
+    drafter = random_drafter(tiny_target(), "dspark", gamma=3)
+    width = len(drafter.ctx_layers) * drafter.cfg.hidden_size
+    keys, limits = OrderedDict(), Limits(drafter.cfg.vocab_size)
+    push = drafter_pb2.DraftRequest(step=1, context_only=True, sequences=[_update("a", 4, 0, width),
+                                                                           _update("b", 2, 6, width)])
+    assert answer(drafter, 1, keys, push, width, limits) is None
+    assert drafter.context_len("1:a") == 4 and drafter.context_len("1:b") == 0  # b: not held, skipped
+    # The next draft for b says what it lacks; a drafts from the pushed context, with no new rows.
+    reply = answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=2, sequences=[
+        drafter_pb2.SequenceUpdate(request_id="a", context_len=4, anchor_token=3),
+        drafter_pb2.SequenceUpdate(request_id="b", context_len=8, anchor_token=3)]), width, limits)
+    assert len(reply.sequences[0].tokens) == 3 and reply.sequences[1].context_missing
+
+
+class _Recording:
+    """The link's request queue, keeping a copy of what goes on it."""
+
+    def __init__(self, queue, sent: list):
+        self.queue, self.sent = queue, sent
+
+    def put(self, request) -> None:
+        if request is not None:
+            self.sent.append(request)
+        self.queue.put(request)
+
+
+@pytest.fixture(scope="module")
+def drafter_service(tmp_path_factory):
+    torch.set_num_threads(1)
+    path = write_tiny_target(tmp_path_factory.mktemp("target"))
+    service, address = start_drafter(str(path), tmp_path_factory.mktemp("logs"))
+    try:
+        wait_serving(address, service, timeout=300)
+        yield path, address
+    finally:
+        service.terminate(30)
+
+
+def test_pushed_contexts_draft_what_the_same_context_drafts_locally(drafter_service, monkeypatch):
+    path, address = drafter_service
+    monkeypatch.setenv("DSPARK_INTERNAL_TOKEN", TOKEN)  # the internal plane's credential, as a verifier has it
+    config.reset_peer_settings()
+    local, _ = load(parse_args([f"--target-model={path}", "--gamma=4", "--num-layers=1"]))  # the service's weights
+    remote = RemoteDrafter(address, timeout_s=30)
+    assert remote.connect(60)
+    try:
+        sent = []
+        remote._link.requests = _Recording(remote._link.requests, sent)
+        width = len(local.ctx_layers) * local.cfg.hidden_size
+        g = torch.Generator().manual_seed(0)
+        feats = torch.randn(12, width, generator=g).bfloat16().float()
+        toks = torch.randint(0, local.cfg.vocab_size, (12,), generator=g)
+        remote.extend_context("r", feats[:7], toks[:7])
+        remote.push()
+        remote.rollback("r", 5)  # two rejected positions, then the accepted ones: as a step leaves it
+        remote.extend_context("r", feats[5:], toks[5:])
+        remote.push()
+        assert remote.context_len("r") == 12 and not remote._pending
+        anchor, zero = torch.tensor([17]), torch.zeros(1)
+        block = remote.draft(["r"], anchor, zero, [None])
+        assert [(r.context_only, [(u.context_len, len(u.tokens)) for u in r.sequences]) for r in sent] == [
+            (True, [(0, 7)]), (True, [(5, 7)]), (False, [(12, 0)])]  # the draft carried no context rows
+        local.extend_context("r", feats, toks)
+        assert torch.equal(block.tokens, local.draft(["r"], anchor, zero, [None]).tokens)
+    finally:
+        remote.close()
