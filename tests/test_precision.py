@@ -36,6 +36,20 @@ def test_linear_rows_do_not_depend_on_their_batch(precision, bias):
     assert ((together - reference).norm() / reference.norm()) < 0.02
 
 
+@pytest.mark.parametrize("precision", FAST)
+@pytest.mark.parametrize("shape", [(576, 576), (49152, 576), (576, 1536)])  # SmolLM2's o, LM head, down
+def test_a_row_keeps_its_bits_at_every_row_count(precision, shape):
+    """Kernels switch algorithms by problem size (oneDNN on AMX does above 32 rows for some of these
+    shapes): a row must come out the same in a call of any number of rows, prefill sizes included."""
+    torch.manual_seed(1)
+    out_features, in_features = shape
+    fast = prec.convert_linear(nn.Linear(in_features, out_features, bias=False), precision)
+    x = torch.randn(300, in_features)
+    alone = fast(x[:3])
+    for rows in [1, 2, 5, 16, 31, 32, 33, 34, 40, 64, 65, 100, 129, 300]:
+        assert torch.equal(fast(x[:rows])[:3], alone[:rows]), rows
+
+
 def test_int8_keeps_7_bit_activations_where_8_would_saturate():
     torch.manual_seed(0)
     linear = nn.Linear(96, 200)

@@ -117,9 +117,10 @@ class Bf16Linear(nn.Module):
     """bf16 weights prepacked for oneDNN (AMX where the CPU has it); fp32 in and out.
 
     A plain bf16 matmul takes a different path for one row than for several, so its rows change
-    with the batch. oneDNN's prepacked kernel gives a row the same bits at any row count >= 2
-    (measured here for every SmolLM2 shape); one row may take a gemv path, so a lone row is
-    padded to two.
+    with the batch. oneDNN's prepacked kernel gives a row the same bits at any row count from 2
+    to 32 (measured for every SmolLM2 shape on AVX-512 and AMX CPUs); one row may take a gemv
+    path, and on AMX some shapes (576 x 576, the LM head) change kernel above 32 rows. So a lone
+    row is padded to two and a larger batch runs in calls of at most 32 rows, none of one row.
     """
 
     def __init__(self, linear: nn.Linear):
@@ -129,14 +130,22 @@ class Bf16Linear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).clone()
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
+    MAX_ROWS = 32
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features).to(torch.bfloat16)
         rows = x.shape[0]
-        if rows == 1:
-            x = torch.cat([x, x])
-        y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
+        if rows % self.MAX_ROWS == 1:  # no call of one row
+            x = torch.cat([x, x[-1:]])
+        if x.shape[0] <= self.MAX_ROWS:
+            y = self._matmul(x)[:rows]
+        else:
+            y = torch.cat([self._matmul(chunk) for chunk in x.split(self.MAX_ROWS)])[:rows]
         return y.float().reshape(*shape[:-1], self.out_features)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 class CudaBf16Linear(nn.Module):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.device import host_values
+from dspark.kernels.cpu import kernels
 from dspark.models.batch import VarlenBatch
 from dspark.models.config import ModelConfig
 from dspark.models.kv_cache import KVCache
@@ -51,6 +52,7 @@ class AttentionPlan:
     seqs: list[SeqAttention]
     write_slots: torch.Tensor  # [N] slot and position of each new token: one cache write per layer
     write_positions: torch.Tensor
+    cached_kernel: bool  # every row attends its cache through dspark.kernels (CPU), not SDPA
 
 
 def row_groups(first_row: int, start: int, n: int, cache_len: int, device) -> list[RowGroup]:
@@ -69,18 +71,19 @@ def row_groups(first_row: int, start: int, n: int, cache_len: int, device) -> li
     return groups
 
 
-def plan_attention(batch: VarlenBatch, cache: KVCache | None) -> AttentionPlan:
+def plan_attention(batch: VarlenBatch, cache: KVCache | None, cached_kernel: bool) -> AttentionPlan:
+    """cached_kernel: the C++ kernel attends every cached row (it needs no groups or masks)."""
     seqs, row, device = [], 0, batch.tokens.device
     for slot, start, n in zip(batch.slot_list, batch.starts, batch.lens):
         # With a cache every row, a prompt's too, is computed as a lone decode row would be: a
         # request's bits then never depend on how its tokens were split into passes (a resumed
         # request re-reads what it streamed as one prompt).
         prefill = cache is None
-        groups = [] if prefill else row_groups(row, start, n, cache.max_len, device)
+        groups = [] if prefill or cached_kernel else row_groups(row, start, n, cache.max_len, device)
         seqs.append(SeqAttention(slot, prefill, slice(row, row + n), groups))
         row += n
     slots = host_values([slot for slot, n in zip(batch.slot_list, batch.lens) for _ in range(n)], torch.long, device)
-    return AttentionPlan(seqs, slots, batch.positions)
+    return AttentionPlan(seqs, slots, batch.positions, cached_kernel and cache is not None)
 
 
 def _attend_group(q, kc, vc, group: RowGroup) -> torch.Tensor:
@@ -146,12 +149,21 @@ class Attention(nn.Module):
         return apply_rope(q, *rope), apply_rope(k, *rope), v
 
     def forward(self, x, rope, plan: AttentionPlan, cache: KVCache | None):
+        if plan.cached_kernel and hasattr(self, "qkv_proj") and not hasattr(self, "q_norm"):
+            # rotation, cache write and attention of every row in one kernel call
+            n = x.shape[0]
+            out = kernels().rope_cache_attention(self.qkv_proj(x), rope[0].view(n, -1), rope[1].view(n, -1),
+                                                 cache.k[self.layer_idx], cache.v[self.layer_idx],
+                                                 plan.write_slots, plan.write_positions, self.heads)
+            return self.o_proj(out)
         q, k, v = self._qkv(x, rope)
         kc = vc = None
         if cache is not None:
             kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]
-            kc[plan.write_slots, :, plan.write_positions] = k  # every new token of the batch in one write
-            vc[plan.write_slots, :, plan.write_positions] = v
+            kc[plan.write_slots, :, plan.write_positions] = k.to(kc.dtype)  # the batch's new tokens in one write
+            vc[plan.write_slots, :, plan.write_positions] = v.to(vc.dtype)
+            if plan.cached_kernel:  # one call for every row of the batch, spread over all cores
+                return self.o_proj(kernels().cached_attention(q, kc, vc, plan.write_slots, plan.write_positions))
         # SDPA's CPU kernel splits work by thread count, and on some CPUs the split changes a row's
         # bits: attention runs on one thread, so a process's thread count never changes the output.
         with one_thread(q.device):
@@ -229,10 +241,21 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    @property
+    def cached_kernel(self) -> bool:
+        """Cached rows attend through the C++ kernel: on CPU, wherever it builds."""
+        return self.device.type == "cpu" and kernels() is not None
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """bf16 keys and values under bf16 matmuls on CPU: half the bytes a pass reads from the
+        cache (v is a bf16 matmul output already; k loses only its rotation's rounding)."""
+        return torch.bfloat16 if self.precision == "bf16" and self.cached_kernel else self.dtype
+
     def new_cache(self, max_slots: int, max_len: int, dtype=None) -> KVCache:
         cfg = self.config
         return KVCache(cfg.num_layers, max_slots, max_len, cfg.num_kv_heads, cfg.head_dim,
-                       dtype=dtype or self.dtype, device=self.device)
+                       dtype=dtype or self.kv_dtype, device=self.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -254,7 +277,7 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(batch.tokens)
         rope = rope_tables(cos.to(x.dtype), sin.to(x.dtype))
         captured = {}
-        plan = plan_attention(batch, cache)
+        plan = plan_attention(batch, cache, self.cached_kernel)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, plan, cache)
             if i in capture_layers:

@@ -1,0 +1,53 @@
+"""C++ kernels for the CPU path, compiled for this machine on first use and cached on disk.
+
+torch.utils.cpp_extension builds them with the host's compiler and `-march=native` (AVX-512 where
+the CPU has it). The build directory is keyed by the source, torch's version and the CPU's flags,
+so a cache copied to another machine is rebuilt rather than run on the wrong instructions.
+`DSPARK_KERNEL_CACHE` moves it (default ~/.cache/dspark/kernels); `DSPARK_CPU_KERNELS=0` turns
+the kernels off (the model then runs torch's SDPA and norm, as before they existed).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from dspark.models.precision import cpu_flags
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _build_dir() -> Path:
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(sorted(cpu_flags())).encode(),
+                 " ".join(FLAGS).encode()):
+        key.update(part)
+    root = Path(os.environ.get("DSPARK_KERNEL_CACHE", Path.home() / ".cache" / "dspark" / "kernels"))
+    path = root / key.hexdigest()[:16]
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@functools.cache
+def kernels():
+    """The compiled module (`cached_attention`, `rms_norm`), or None where it cannot be built (no compiler):
+    the model then takes its SDPA path, slower but exact too."""
+    if os.environ.get("DSPARK_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        import ninja  # the build tool cpp_extension runs, from the venv even when it is not activated
+        from torch.utils import cpp_extension
+
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+        return cpp_extension.load("dspark_cpu_kernels", [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                                  build_directory=str(_build_dir()), verbose=False)
+    except Exception as error:  # a missing compiler or ninja: fall back, say why once
+        log.warning("CPU kernels unavailable, attention runs on SDPA (slower): %s", error)
+        return None
