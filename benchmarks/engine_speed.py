@@ -3,7 +3,7 @@ vs transformers vs llama.cpp on the same GGUF, the verification-cost curve (one 
 tokens on a 512-token context), and each shipped drafter's time for one block.
 
     pip install -e ".[bench]"   # llama-cpp-python, built from source (~10 min here)
-    python benchmarks/engine_speed.py [--tokens 64] [--precisions fp32,bf16,int8] [--skip-llamacpp]
+    python benchmarks/engine_speed.py [--tokens 64] [--precisions fp32-sdpa,fp32,bf16,int8] [--skip-llamacpp]
 
 Prints three tables and writes benchmarks/results/engine_speed.png. All contenders run in this
 one process, one after another, on the same prompts, so their ratios are comparable.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
 import time
 from pathlib import Path
@@ -31,6 +32,13 @@ QUESTIONS = ["Explain how a hash map works.", "Write a short poem about autumn."
              "Give three tips for learning a language.", "Describe the water cycle.", "What is recursion?",
              "Summarise the plot of a heist movie.", "How do vaccines work?"]
 QUESTIONS = [f"{q} (variant {i})" if i else q for i in range(4) for q in QUESTIONS]  # 32 prompts
+
+
+BEFORE_KERNELS = "-sdpa"  # e.g. fp32-sdpa: the model as it ran before dspark/kernels (torch SDPA and norm)
+
+
+def set_cpu_kernels(on: bool) -> None:
+    os.environ["DSPARK_CPU_KERNELS"] = "1" if on else "0"  # read at every pass
 
 
 def ours(loaded, prompts, new_tokens):
@@ -72,15 +80,21 @@ def transformers_generate(hf, prompts, new_tokens):
     return (out.shape[1] - width) * len(prompts) / (time.perf_counter() - start)
 
 
-def llamacpp(prompts, new_tokens):
+def llamacpp(prompts, new_tokens, repacked=False):
     """llama.cpp on the same GGUF, fed the same token ids: one llama_decode per step over every
-    sequence of the batch (its own KV sequence each), greedy, through llama-cpp-python's C API."""
+    sequence of the batch (its own KV sequence each), greedy, through llama-cpp-python's C API.
+    repacked: its AMX/repacked weight buffers, which crash on a decode of more than one token in
+    this build, so the prompt goes in one token at a time (batch 1 only): its fastest decoding."""
     import llama_cpp as lc
     import numpy as np
 
     lc.llama_backend_init()
     lc.llama_log_set(_quiet, ctypes.c_void_p(0))
-    model = lc.llama_model_load_from_file(str(default_gguf_path()).encode(), lc.llama_model_default_params())
+    model_params = lc.llama_model_default_params()
+    # Without this, llama_decode of a batch of more than one token segfaults on an AMX CPU (0.3.36,
+    # built here; its AMX/repacked weight buffers): the plain CPU buffers run everywhere.
+    model_params.use_extra_bufts = repacked
+    model = lc.llama_model_load_from_file(str(default_gguf_path()).encode(), model_params)
     params = lc.llama_context_default_params()
     params.n_ctx = len(prompts) * (max(map(len, prompts)) + new_tokens + 8)
     params.n_batch = params.n_ubatch = max(512, sum(map(len, prompts)))
@@ -102,7 +116,9 @@ def llamacpp(prompts, new_tokens):
 
     try:
         start = time.perf_counter()
-        last = decode([(t, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, t in enumerate(p)])
+        prompt_rows = [(t, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, t in enumerate(p)]
+        for chunk in ([[row] for row in prompt_rows] if repacked else [prompt_rows]):
+            last = decode(chunk)  # the last chunk holds each prompt's last row
         for step in range(new_tokens - 1):
             last = decode([(t, len(p) + step, s, True) for s, (t, p) in enumerate(zip(last, prompts))])
         return len(prompts) * new_tokens / (time.perf_counter() - start)
@@ -145,7 +161,8 @@ def verification_curve(model, context=512, sizes=(1, 2, 4, 8, 16, 32), rounds=9)
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--precisions", default="fp32,bf16,int8")
+    ap.add_argument("--precisions", default="fp32-sdpa,fp32,bf16,int8",
+                    help=f"comma-separated; a {BEFORE_KERNELS} suffix runs that precision without dspark/kernels")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
@@ -157,15 +174,17 @@ def main():
 
     results, curves, drafts = {}, {}, {}
     for precision in precisions:
-        loaded = load_model(precision=precision)
+        set_cpu_kernels(not precision.endswith(BEFORE_KERNELS))
+        loaded = load_model(precision=precision.removesuffix(BEFORE_KERNELS))
         print(f"[{precision}] decoding ...", flush=True)
         for batch in batches:
             results[(f"dspark {precision}", batch)] = ours(loaded, prompts[:batch], args.tokens)
         print(f"[{precision}] verification curve and drafters ...", flush=True)
         curves[precision] = verification_curve(loaded.model)
         for kind in ("dspark", "dflash", "eagle3"):
-            drafts[(precision, kind)] = draft_block_ms(loaded, kind, precision)
+            drafts[(precision, kind)] = draft_block_ms(loaded, kind, loaded.model.precision)
         del loaded
+        set_cpu_kernels(True)
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
 
@@ -178,6 +197,8 @@ def main():
     if not args.skip_llamacpp and _quiet is not None:
         for batch in batches:
             results[("llama.cpp Q4_1", batch)] = llamacpp(prompts[:batch], args.tokens)
+        if 1 in batches:
+            results[("llama.cpp Q4_1 AMX", 1)] = llamacpp(prompts[:1], args.tokens, repacked=True)
     if not args.skip_llamacpp and _quiet is None:
         print("llama-cpp-python not installed: pip install -e '.[bench]' (builds from source, ~10 min)")
 

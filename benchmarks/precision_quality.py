@@ -27,11 +27,13 @@ OUT = Path(__file__).resolve().parent / "results"
 
 
 def teacher_forced(model, prompt: list[int], answer: list[int]) -> torch.Tensor:
-    """Logits [len(answer), V] predicting each answer token from everything before it."""
+    """Logits [len(answer), V] predicting each answer token from everything before it, through a
+    KV cache as serving computes them (its dtype and attention kernel included)."""
     tokens = prompt + answer
     rows = torch.arange(len(prompt) - 1, len(tokens) - 1)
+    cache = model.new_cache(1, len(tokens))
     with torch.no_grad():
-        return model(VarlenBatch.build([tokens], [0]), logits_rows=rows).logits
+        return model(VarlenBatch.build([tokens], [0], [cache.allocate()]), cache, logits_rows=rows).logits
 
 
 def main():

@@ -34,12 +34,15 @@ def _build_dir() -> Path:
     return path
 
 
-@functools.cache
 def kernels():
-    """The compiled module (`cached_attention`, `rms_norm`), or None where it cannot be built (no compiler):
-    the model then takes its SDPA path, slower but exact too."""
-    if os.environ.get("DSPARK_CPU_KERNELS", "1") == "0":
-        return None
+    """The compiled module (`cached_attention`, `rms_norm`, `rope_cache_attention`), or None where
+    it cannot be built (no compiler) or is turned off: the model then takes its SDPA path, slower
+    but exact too."""
+    return None if os.environ.get("DSPARK_CPU_KERNELS", "1") == "0" else _build()
+
+
+@functools.cache
+def _build():
     try:
         import ninja  # the build tool cpp_extension runs, from the venv even when it is not activated
         from torch.utils import cpp_extension
