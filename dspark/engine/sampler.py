@@ -23,4 +23,6 @@ def row_probs(logits: torch.Tensor, seqs: list[Sequence], rows_per_seq: list[int
 
 def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One token per row with each sequence's own parameters and generator."""
+    if all(s.params.temperature <= 0 for s in seqs):  # all greedy: the argmax, without the vocabulary-wide
+        return logits.argmax(dim=-1).tolist()           # softmax, one-hot and draw (the same tokens)
     return sample_from_probs(row_probs(logits, seqs), [s.generator for s in seqs]).tolist()  # one copy to the host

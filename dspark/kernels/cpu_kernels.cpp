@@ -1,5 +1,5 @@
-// CPU kernels of a decoding pass. Attention of new rows over their slot's KV cache, one (row, query
-// head) per task; RMSNorm.
+// CPU kernels of a decoding pass: attention of new rows over their slot's KV cache, one (row, KV
+// head) per task; the residual add + RMSNorm and SwiGLU steps between a layer's matmuls.
 //
 // Why by hand: SDPA's CPU kernel gives a row different bits depending on how many rows share the
 // call and on the thread count (seen on AMD Zen 4), so the engine used to run every row as its own
@@ -267,8 +267,10 @@ inline void rope(const float* x, const float* cos, const float* signed_sin, int6
 // qkv [N, (H + 2 KV) * hd] float32; cos, signed_sin [N, hd] float32 (per row, from its position).
 torch::Tensor rope_cache_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor signed_sin,
                                    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                                   torch::Tensor positions, int64_t heads) {
-    TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32, "qkv must be [N, (H + 2 KV) hd] float32");
+                                   torch::Tensor positions, int64_t heads, bool bf16_out) {
+    TORCH_CHECK(qkv.dim() == 2 && (qkv.scalar_type() == torch::kFloat32 || qkv.scalar_type() == torch::kBFloat16),
+                "qkv must be [N, (H + 2 KV) hd] float32 or bfloat16");
+    if (qkv.scalar_type() == torch::kBFloat16) qkv = qkv.narrow(0, 0, cos.size(0)).to(torch::kFloat32);
     TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                 k_cache.scalar_type() == v_cache.scalar_type(), "k/v caches must be [slots, KV, L, hd], alike");
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k/v caches must be contiguous");
@@ -312,11 +314,23 @@ torch::Tensor rope_cache_attention(torch::Tensor qkv, torch::Tensor cos, torch::
             attend_rows(query, k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), slot,
                         position, out.data_ptr<float>(), rows, heads, kv_heads, hd, max_len, scale);
         }));
-    return out;
+    return bf16_out ? out.to(torch::kBFloat16) : out;
 }
 
-// RMSNorm of each row of x [N, d] float32: w * x / sqrt(mean(x^2) + eps), a row's sum in a fixed
-// lane order. One call where the composed torch ops were six, each a few microseconds at decode.
+// w * x / sqrt(mean(x^2) + eps) of one row, its sum of squares in a fixed lane order.
+template <typename T>
+inline void norm_row(const float* row, const float* w, int64_t d, float eps, T* out) {
+    float acc[LANES] = {0.0f};
+    int64_t i = 0;
+    for (; i + LANES <= d; i += LANES)
+        for (int l = 0; l < LANES; ++l) acc[l] += row[i + l] * row[i + l];
+    for (int l = 0; i + l < d; ++l) acc[l] += row[i + l] * row[i + l];
+    const float scale = 1.0f / std::sqrt(lane_sum(acc) / static_cast<float>(d) + eps);
+    for (int64_t j = 0; j < d; ++j) out[j] = static_cast<T>(w[j] * (row[j] * scale));
+}
+
+// RMSNorm of each row of x [N, d] float32. One call where the composed torch ops were six, each a
+// few microseconds at decode.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32,
                 "rms_norm takes float32");
@@ -329,18 +343,78 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
     const float* w = weight.data_ptr<float>();
     float* o = out.data_ptr<float>();
     at::parallel_for(0, flat.size(0), 16, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-            const float* row = in + r * d;
-            float acc[LANES] = {0.0f};
-            int64_t i = 0;
-            for (; i + LANES <= d; i += LANES)
-                for (int l = 0; l < LANES; ++l) acc[l] += row[i + l] * row[i + l];
-            for (int l = 0; i + l < d; ++l) acc[l] += row[i + l] * row[i + l];
-            const float scale = 1.0f / std::sqrt(lane_sum(acc) / static_cast<float>(d) + static_cast<float>(eps));
-            for (int64_t j = 0; j < d; ++j) o[r * d + j] = w[j] * (row[j] * scale);
-        }
+        for (int64_t r = begin; r < end; ++r) norm_row(in + r * d, w, d, static_cast<float>(eps), o + r * d);
     });
     return out.view(x.sizes());
+}
+
+// The residual stream's step between two matmuls: x += delta (in place, delta's rows in float32),
+// then RMSNorm of x, returned in float32 or bfloat16 (what the next matmul reads). x [N, d] float32
+// contiguous; delta [N, d] float32 or bfloat16, or None.
+torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps,
+                           bool bf16_out) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+                "x must be [N, d] float32, contiguous");
+    TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.numel() == x.size(1), "weight must be [d] float32");
+    const int64_t rows = x.size(0), d = x.size(1);
+    float* xs = x.data_ptr<float>();
+    if (delta.has_value()) {
+        auto dl = delta->contiguous();
+        TORCH_CHECK(dl.dim() == 2 && dl.size(0) == rows && dl.size(1) == d, "delta must be [N, d]");
+        if (dl.scalar_type() == torch::kBFloat16) {
+            const c10::BFloat16* src = dl.data_ptr<c10::BFloat16>();
+            for (int64_t i = 0; i < rows * d; ++i) xs[i] += static_cast<float>(src[i]);
+        } else {
+            TORCH_CHECK(dl.scalar_type() == torch::kFloat32, "delta must be float32 or bfloat16");
+            const float* src = dl.data_ptr<float>();
+            for (int64_t i = 0; i < rows * d; ++i) xs[i] += src[i];
+        }
+    }
+    weight = weight.contiguous();
+    const float* w = weight.data_ptr<float>();
+    auto out = torch::empty({rows, d}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            if (bf16_out)
+                norm_row(xs + r * d, w, d, static_cast<float>(eps), out.data_ptr<c10::BFloat16>() + r * d);
+            else
+                norm_row(xs + r * d, w, d, static_cast<float>(eps), out.data_ptr<float>() + r * d);
+        }
+    });
+    return out;
+}
+
+// SwiGLU's middle: silu(gate) * up for gate_up [N, 2h] (gate first), in float32, returned in
+// float32 or bfloat16. sigmoid from exp(-|g|) <= 1, so the branch-free exp serves both signs.
+template <typename In, typename Out>
+void silu_mul_rows(const In* gu, Out* out, int64_t rows, int64_t h) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const In* gate = gu + r * 2 * h;
+        const In* up = gate + h;
+        for (int64_t j = 0; j < h; ++j) {
+            const float g = static_cast<float>(gate[j]);
+            const float e = exp_nonpositive(-std::fabs(g));
+            const float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+            out[r * h + j] = static_cast<Out>(g * sigmoid * static_cast<float>(up[j]));
+        }
+    }
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up, bool bf16_out) {
+    TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [N, 2h]");
+    gate_up = gate_up.contiguous();
+    const int64_t rows = gate_up.size(0), h = gate_up.size(1) / 2;
+    auto out = torch::empty({rows, h}, gate_up.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+    AT_DISPATCH_SWITCH(gate_up.scalar_type(), "silu_mul",
+        AT_DISPATCH_CASE(torch::kFloat32, [&] {
+            if (bf16_out) silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<c10::BFloat16>(), rows, h);
+            else silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, h);
+        })
+        AT_DISPATCH_CASE(torch::kBFloat16, [&] {
+            if (bf16_out) silu_mul_rows(gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, h);
+            else silu_mul_rows(gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<float>(), rows, h);
+        }));
+    return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -348,4 +422,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rms_norm", &rms_norm, "RMSNorm of each row (float32)");
     m.def("rope_cache_attention", &rope_cache_attention,
           "rotate q|k, write k and v into the cache, attend: a layer's attention after its q|k|v matmul");
+    m.def("add_rms_norm", &add_rms_norm, "x += delta in place, then RMSNorm of x (float32 or bfloat16 out)");
+    m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate|up output");
 }

@@ -131,18 +131,21 @@ class Bf16Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     MAX_ROWS = 32
+    native_dtype = torch.bfloat16  # what native() takes and returns
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = self.native(x.reshape(-1, self.in_features).to(torch.bfloat16))
+        return y.float().reshape(*shape[:-1], self.out_features)
+
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, in] bf16 -> [N, out] bf16, no casts (the fused decoder layer feeds it bf16 directly)."""
         rows = x.shape[0]
         if rows % self.MAX_ROWS == 1:  # no call of one row
             x = torch.cat([x, x[-1:]])
         if x.shape[0] <= self.MAX_ROWS:
-            y = self._matmul(x)[:rows]
-        else:
-            y = torch.cat([self._matmul(chunk) for chunk in x.split(self.MAX_ROWS)])[:rows]
-        return y.float().reshape(*shape[:-1], self.out_features)
+            return self._matmul(x)[:rows]
+        return torch.cat([self._matmul(chunk) for chunk in x.split(self.MAX_ROWS)])[:rows]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")

@@ -149,13 +149,6 @@ class Attention(nn.Module):
         return apply_rope(q, *rope), apply_rope(k, *rope), v
 
     def forward(self, x, rope, plan: AttentionPlan, cache: KVCache | None):
-        if plan.cached_kernel and hasattr(self, "qkv_proj") and not hasattr(self, "q_norm"):
-            # rotation, cache write and attention of every row in one kernel call
-            n = x.shape[0]
-            out = kernels().rope_cache_attention(self.qkv_proj(x), rope[0].view(n, -1), rope[1].view(n, -1),
-                                                 cache.k[self.layer_idx], cache.v[self.layer_idx],
-                                                 plan.write_slots, plan.write_positions, self.heads)
-            return self.o_proj(out)
         q, k, v = self._qkv(x, rope)
         kc = vc = None
         if cache is not None:
@@ -197,6 +190,41 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), rope, plan, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    @property
+    def fusable(self) -> bool:
+        return (hasattr(self.self_attn, "qkv_proj") and not hasattr(self.self_attn, "q_norm")
+                and hasattr(self.mlp, "gate_up_proj"))
+
+    def fused_forward(self, x, delta, rope, plan, cache):
+        """The layer as eight calls (dspark/kernels between the matmuls), for cached CPU passes:
+        adds the previous layer's output `delta` to the residual stream x in place and returns this
+        layer's MLP output, whose add the next call makes. Each matmul reads its kernel's dtype."""
+        ops, n = kernels(), x.shape[0]
+        norm1, qkv, o, norm2, gate_up, down, layer, heads, bf16 = self._fused_parts()
+        h = ops.add_rms_norm(x, delta, norm1.weight, norm1.eps, bf16)
+        h = ops.rope_cache_attention(qkv(h), rope[0].view(n, -1), rope[1].view(n, -1), cache.k[layer],
+                                     cache.v[layer], plan.write_slots, plan.write_positions, heads, bf16)
+        h = ops.add_rms_norm(x, o(h), norm2.weight, norm2.eps, bf16)
+        return down(ops.silu_mul(gate_up(h), bf16))
+
+    def _fused_parts(self) -> tuple:
+        """What fused_forward calls, looked up once: at decode, nn.Module's attribute lookups and
+        call machinery cost as much as a small kernel. Each matmul is its kernel's own-dtype entry
+        (Bf16Linear.native: bf16 in and out), else the module's forward. Transformer.set_precision
+        drops it."""
+        parts = self.__dict__.get("_parts")
+        if parts is None:
+            attn, mlp = self.self_attn, self.mlp
+            bf16 = getattr(attn.qkv_proj, "native_dtype", torch.float32) == torch.bfloat16
+
+            def matmul(linear):
+                return linear.native if hasattr(linear, "native") else linear.forward
+
+            parts = (self.input_layernorm, matmul(attn.qkv_proj), matmul(attn.o_proj), self.post_attention_layernorm,
+                     matmul(mlp.gate_up_proj), matmul(mlp.down_proj), attn.layer_idx, attn.heads, bf16)
+            self.__dict__["_parts"] = parts
+        return parts
+
 
 class _Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -226,6 +254,8 @@ class Transformer(nn.Module):
         The LM head's float weight stays reachable as `output_weight` (drafters share it)."""
         self._output_weight = self.output_weight
         self.precision = apply_precision(self, precision)
+        for layer in self.model.layers:
+            layer.__dict__.pop("_parts", None)
         return self.precision
 
     @property
@@ -278,14 +308,22 @@ class Transformer(nn.Module):
         rope = rope_tables(cos.to(x.dtype), sin.to(x.dtype))
         captured = {}
         plan = plan_attention(batch, cache, self.cached_kernel)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, plan, cache)
-            if i in capture_layers:
-                captured[i] = x
+        if plan.cached_kernel and all(layer.fusable for layer in self.model.layers):
+            delta = None  # the last layer's output, not yet added to x
+            for i, layer in enumerate(self.model.layers):
+                delta = layer.fused_forward(x, delta, rope, plan, cache)
+                if i in capture_layers:
+                    captured[i] = x + delta  # a copy: x itself keeps changing in place
+            hidden = kernels().add_rms_norm(x, delta, self.model.norm.weight, self.model.norm.eps, False)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, rope, plan, cache)
+                if i in capture_layers:
+                    captured[i] = x
+            hidden = self.model.norm(x)
         if cache is not None:
             for slot, end in zip(batch.slot_list, ends):
                 cache.advance(slot, end)
-        hidden = self.model.norm(x)
         if isinstance(logits_rows, str):
             logits_rows = batch.last_rows() if logits_rows == "last" else torch.arange(hidden.shape[0],
                                                                                       device=hidden.device)

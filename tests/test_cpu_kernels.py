@@ -1,0 +1,112 @@
+"""dspark/kernels: each CPU kernel against torch's own ops, alone; the fused decoder layer against
+the module path; and the errors a bad call gets."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspark.kernels.cpu import kernels
+from dspark.models.batch import VarlenBatch
+from dspark.models.layers import Rotary, apply_rope, rope_tables
+from tests.spec_helpers import tiny_target
+
+ops = kernels()
+pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler: the CPU kernels could not be built")
+
+
+def reference_attention(q, kc, vc, slots, positions):
+    """Each row over its slot's keys 0..position, in float64 through SDPA."""
+    rows = []
+    group = q.shape[1] // kc.shape[1]
+    for r in range(q.shape[0]):
+        keys = int(positions[r]) + 1
+        k = kc[slots[r], :, :keys].double().repeat_interleave(group, 0)
+        v = vc[slots[r], :, :keys].double().repeat_interleave(group, 0)
+        rows.append(F.scaled_dot_product_attention(q[r][:, None].double(), k, v).reshape(-1))
+    return torch.stack(rows).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (16, 4, 1), (24, 6, 2)])
+def test_cached_attention_matches_sdpa_and_ignores_the_rest_of_the_batch(dtype, head_dim, heads, kv_heads):
+    g = torch.Generator().manual_seed(0)
+    kc = torch.randn(3, kv_heads, 200, head_dim, generator=g).to(dtype)
+    vc = torch.randn(3, kv_heads, 200, head_dim, generator=g).to(dtype)
+    q = torch.randn(7, heads, head_dim, generator=g)
+    slots = torch.tensor([2, 2, 2, 0, 1, 1, 0])
+    positions = torch.tensor([150, 151, 152, 0, 17, 18, 63])
+    out = ops.cached_attention(q, kc, vc, slots, positions)
+    torch.testing.assert_close(out, reference_attention(q, kc, vc, slots, positions), rtol=1e-5, atol=2e-6)
+    alone = torch.cat([ops.cached_attention(q[r:r + 1], kc, vc, slots[r:r + 1], positions[r:r + 1]) for r in range(7)])
+    assert torch.equal(out, alone)
+
+
+def test_rope_cache_attention_is_rope_then_cache_write_then_attention():
+    heads, kv_heads, hd = 9, 3, 64
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * hd, generator=g)
+    positions, slots = torch.tensor([40, 41, 42, 7, 8]), torch.tensor([0, 0, 0, 1, 1])
+    cos, signed_sin = rope_tables(*Rotary(hd, 10000.0, None, 512).cos_sin(positions))
+    kc, vc = torch.zeros(2, kv_heads, 64, hd), torch.zeros(2, kv_heads, 64, hd)
+    kc[:, :, :40] = torch.randn(2, kv_heads, 40, hd, generator=g)
+    vc[:, :, :40] = torch.randn(2, kv_heads, 40, hd, generator=g)
+    expected_k, expected_v = kc.clone(), vc.clone()
+    out = ops.rope_cache_attention(qkv.clone(), cos.view(5, hd), signed_sin.view(5, hd), kc, vc, slots, positions,
+                                   heads, False)
+    qk = apply_rope(qkv[:, :(heads + kv_heads) * hd].view(5, heads + kv_heads, hd), cos, signed_sin)
+    expected_k[slots, :, positions] = qk[:, heads:]
+    expected_v[slots, :, positions] = qkv[:, (heads + kv_heads) * hd:].view(5, kv_heads, hd)
+    torch.testing.assert_close(kc, expected_k, rtol=0, atol=1e-6)
+    assert torch.equal(vc, expected_v)
+    q = qk[:, :heads].contiguous()
+    torch.testing.assert_close(out, reference_attention(q, expected_k, expected_v, slots, positions),
+                               rtol=1e-5, atol=2e-6)
+    as_bf16 = ops.rope_cache_attention(qkv.bfloat16(), cos.view(5, hd), signed_sin.view(5, hd), kc, vc, slots,
+                                       positions, heads, True)
+    assert as_bf16.dtype == torch.bfloat16 and as_bf16.shape == out.shape
+
+
+def test_norms_and_swiglu_match_torch():
+    g = torch.Generator().manual_seed(2)
+    x, w, delta = torch.randn(6, 576, generator=g), torch.rand(576, generator=g) + 0.5, torch.randn(6, 576, generator=g)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-6)
+    residual = x.clone()
+    normed = ops.add_rms_norm(residual, delta.bfloat16(), w, 1e-5, True)
+    assert torch.equal(residual, x + delta.bfloat16().float())  # the add happens in place, exactly
+    assert torch.equal(normed, ops.rms_norm(residual, w, 1e-5).bfloat16())
+    gate_up = torch.randn(6, 2 * 96, generator=g) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up, False), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_layers_compute_what_the_layer_modules_do(monkeypatch):
+    """The fused cached pass (residual adds deferred, features captured as copies) against the
+    module-by-module path with the kernels off: same logits, hidden states and features."""
+    target = tiny_target(layers=3)
+    target.set_precision("fp32")  # fuses q|k|v and gate|up: the fused path applies
+    prompt, more = [5, 9, 11, 3, 7, 2, 30], [8, 1]
+
+    def run():
+        cache = target.new_cache(1, 32)
+        slot = cache.allocate()
+        first = target(VarlenBatch.build([prompt], [0], [slot]), cache, capture_layers=(0, 2), logits_rows="all")
+        second = target(VarlenBatch.build([more], [len(prompt)], [slot]), cache, capture_layers=(1,), logits_rows="all")
+        return first.logits, first.features, first.hidden, second.logits, second.features
+
+    fused = run()
+    monkeypatch.setenv("DSPARK_CPU_KERNELS", "0")
+    modules = run()
+    for a, b in zip(fused, modules):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_calls_get_clear_errors():
+    kc = vc = torch.zeros(2, 1, 16, 8)
+    q = torch.zeros(1, 2, 8)
+    with pytest.raises(RuntimeError, match="position outside the cache"):
+        ops.cached_attention(q, kc, vc, torch.tensor([0]), torch.tensor([16]))
+    with pytest.raises(RuntimeError, match="slot outside the cache"):
+        ops.cached_attention(q, kc, vc, torch.tensor([2]), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.cached_attention(q.double(), kc, vc, torch.tensor([0]), torch.tensor([0]))
