@@ -121,9 +121,11 @@ def test_resume_equals_uninterrupted_run(target, data_dir, tmp_path, kind):
     assert [r["loss"] for r in log_a] == pytest.approx([r["loss"] for r in log_b], abs=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash"])
-def test_training_reduces_the_loss(target, data_dir, tmp_path, kind):
-    summary = train(config(kind, steps=40, lr=1e-2), data_dir, tmp_path, target=target, show_progress=False)
+@pytest.mark.parametrize("kind,bf16", [("dspark", False), ("dflash", False), ("dspark", True)])
+def test_training_reduces_the_loss(target, data_dir, tmp_path, kind, bf16):
+    """bf16: the drafter's matmuls under bf16 autocast (train.bf16, AMX) learn as well."""
+    summary = train(config(kind, steps=40, lr=1e-2, bf16=bf16), data_dir, tmp_path, target=target,
+                    show_progress=False)
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
 
     def mean(key, part):

@@ -36,6 +36,7 @@ class TrainConfig:
     eval_every: int = 0  # held-out loss every N steps (0: never; needs held-out sequences)
     eval_sequences: int = 16  # how many held-out sequences each evaluation reads (the same ones each time)
     keep_checkpoints: int = 2
+    bf16: bool = False  # drafter forward/backward under CPU bf16 autocast (AMX); weights and AdamW stay fp32
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:

@@ -220,7 +220,8 @@ def held_out_loss(drafter, heldout, t: TrainConfig, lse: TargetLSE, device) -> d
         def seq_lse(positions, index=index, raw=raw, offset=offset):
             return lse(index, raw, positions + offset)
 
-        result = sequence_loss(drafter, sequence_to(seq, torch.device(device)), seq_lse, t, budget, gen)
+        with _autocast(t, device):
+            result = sequence_loss(drafter, sequence_to(seq, torch.device(device)), seq_lse, t, budget, gen)
         if result is not None:
             logs.append({k: (v.item() if torch.is_tensor(v) else v) for k, v in result.items()})
     drafter.train(was_training)
@@ -229,6 +230,12 @@ def held_out_loss(drafter, heldout, t: TrainConfig, lse: TargetLSE, device) -> d
     mean = _mean_logs(logs)
     return {"heldout_loss": mean["loss"], "heldout_accept_len": _accept_len(mean["accept"])} if "accept" in mean \
         else {"heldout_loss": mean["loss"]}
+
+
+def _autocast(t: TrainConfig, device) -> torch.autocast:
+    """bf16 matmuls in the drafter's forward and backward when train.bf16 (AMX / tensor cores);
+    autocast keeps the losses' softmaxes and reductions in fp32."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=t.bf16)
 
 
 def _accept_len(accept: list[float]) -> float:
@@ -306,7 +313,8 @@ def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str |
             def seq_lse(positions, index=index, raw=raw, offset=offset):
                 return lse(index, raw, positions + offset)
 
-            result = sequence_loss(drafter, seq, seq_lse, t, budget, gen)
+            with _autocast(t, device):
+                result = sequence_loss(drafter, seq, seq_lse, t, budget, gen)
             if result is None:
                 continue
             (result["loss"] / batch).backward()
@@ -377,6 +385,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    parser.add_argument("--bf16", action="store_true", help="train.bf16: bf16 autocast for the drafter (AMX)")
     add_device_flag(parser)
     args = parser.parse_args(argv)
     if args.threads:
@@ -395,7 +404,11 @@ def main(argv=None) -> None:
                                           args.feature_cache) for part in (train_part, held_part))
         print(f"{args.regen}: {len(train_part)} training and {len(held_part)} held-out sequences, "
               f"{sum(int(s.loss_mask.sum()) for s in train_part)} supervised tokens")
-    summary = train(args.config, args.data, args.out, resume=not args.no_resume, device=device,
+    config = args.config
+    if args.bf16:
+        config = json.loads(Path(args.config).read_text())
+        config.setdefault("train", {})["bf16"] = True
+    summary = train(config, args.data, args.out, resume=not args.no_resume, device=device,
                     target=target, dataset=dataset, heldout=heldout)
     print(json.dumps(summary, indent=2))
 
