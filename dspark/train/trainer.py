@@ -204,6 +204,20 @@ def sequence_to(seq: Sequence, device: torch.device) -> Sequence:
                                        for f in dataclasses.fields(seq) if getattr(seq, f.name) is not None})
 
 
+def dataset_sequence_loss(drafter, data, index: int, lse: TargetLSE, t: TrainConfig, budget: int,
+                          gen: torch.Generator, device) -> dict | None:
+    """sequence_loss of data[index], cropped to max_seq_len, on the drafter's device (None: no anchor):
+    the one body the training step and the held-out evaluation share."""
+    raw = data[index]
+    seq, offset = crop(raw, t.max_seq_len, gen)
+
+    def seq_lse(positions):
+        return lse(index, raw, positions + offset)
+
+    with _autocast(t, device):
+        return sequence_loss(drafter, sequence_to(seq, torch.device(device)), seq_lse, t, budget, gen)
+
+
 @torch.no_grad()
 def held_out_loss(drafter, heldout, t: TrainConfig, lse: TargetLSE, device) -> dict:
     """Mean loss and teacher-forced accepted length over the first eval_sequences held-out sequences,
@@ -214,14 +228,7 @@ def held_out_loss(drafter, heldout, t: TrainConfig, lse: TargetLSE, device) -> d
     drafter.eval()
     logs = []
     for index in range(min(t.eval_sequences, len(heldout))):
-        raw = heldout[index]
-        seq, offset = crop(raw, t.max_seq_len, gen)
-
-        def seq_lse(positions, index=index, raw=raw, offset=offset):
-            return lse(index, raw, positions + offset)
-
-        with _autocast(t, device):
-            result = sequence_loss(drafter, sequence_to(seq, torch.device(device)), seq_lse, t, budget, gen)
+        result = dataset_sequence_loss(drafter, heldout, index, lse, t, budget, gen, device)
         if result is not None:
             logs.append({k: (v.item() if torch.is_tensor(v) else v) for k, v in result.items()})
     drafter.train(was_training)
@@ -305,16 +312,7 @@ def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str |
         optimizer.zero_grad(set_to_none=True)
         logs = []
         for b in range(batch):
-            index = order(step * batch + b)
-            raw = data[index]
-            seq, offset = crop(raw, t.max_seq_len, gen)
-            seq = sequence_to(seq, torch.device(device))
-
-            def seq_lse(positions, index=index, raw=raw, offset=offset):
-                return lse(index, raw, positions + offset)
-
-            with _autocast(t, device):
-                result = sequence_loss(drafter, seq, seq_lse, t, budget, gen)
+            result = dataset_sequence_loss(drafter, data, order(step * batch + b), lse, t, budget, gen, device)
             if result is None:
                 continue
             (result["loss"] / batch).backward()
