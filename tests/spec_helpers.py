@@ -31,7 +31,7 @@ def random_drafter(target: Transformer, kind: str, gamma: int = 4, seed: int = 1
 class OracleDrafter:
     """Drafts exactly the target's own greedy continuation (known in advance): every draft is accepted."""
 
-    kind, version, has_confidence = "oracle", "test", False
+    kind, version, has_confidence, remote = "oracle", "test", False, False
 
     def __init__(self, gamma: int, ctx_layers: list[int], reference: dict[str, list[int]]):
         self.gamma, self.ctx_layers, self.reference = gamma, ctx_layers, reference

@@ -85,6 +85,10 @@ class RemoteDrafter:
         self.last_bytes = 0  # both directions, last draft() call
         self.trace_context = None  # req_id -> {"traceparent": ...} of its step span (tracing on)
 
+    @property
+    def remote(self) -> bool:
+        return True
+
     # ---- connection ------------------------------------------------------------------------
     def connect(self, wait_s: float) -> bool:
         """Fetch DrafterInfo and open the stream, retrying for up to wait_s; then keep it up."""

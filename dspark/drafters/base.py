@@ -121,6 +121,10 @@ class Drafter(nn.Module):
     def extend_context(self, req_id: str, features: torch.Tensor, tokens: torch.Tensor) -> None:
         raise NotImplementedError
 
+    @property
+    def remote(self) -> bool:
+        return False
+
     def push(self) -> None:
         """Nothing to send: a local drafter's context is current as soon as it is extended."""
 

@@ -31,6 +31,9 @@ class DrafterContract(Protocol):
     @property
     def version(self) -> str: ...  # the checkpoint's identity (calibration is per version)
 
+    @property
+    def remote(self) -> bool: ...  # its contexts live in another process: push() sends them there
+
     def context_len(self, req_id: str) -> int: ...
 
     def extend_context(self, req_id: str, features: torch.Tensor, tokens: torch.Tensor) -> None: ...

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.device import host_values
-from dspark.drafters.base import Drafter
 from dspark.drafters.contract import DrafterContract
 from dspark.engine.generate import Engine
 from dspark.engine.sampler import row_probs
@@ -139,7 +138,7 @@ class SpecEngine(Engine):
         """Every running request's new decided positions go to a remote drafter now, drafting or not:
         it extends its contexts while the next target pass runs (RemoteDrafter.push). A local
         drafter would only do the same work sooner on this thread: it is extended when it drafts."""
-        if self.drafter is None or isinstance(self.drafter, Drafter):
+        if self.drafter is None or not self.drafter.remote:
             return
         try:
             for seq in self.running:
