@@ -11,7 +11,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <immintrin.h>
+#if defined(__x86_64__)
+#include <immintrin.h>  // the AVX-512 paths below; elsewhere the portable loops, vectorized by the compiler
+#endif
 
 #include <cmath>
 #include <cstdint>
