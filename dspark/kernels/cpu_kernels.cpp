@@ -217,36 +217,33 @@ void write_rows(const float* qkv, const float* cos, const float* signed_sin, T* 
 
 }  // namespace
 
-// q [N, H, hd] float32; k_cache / v_cache [slots, KV, max_len, hd] float32 or bfloat16, already
-// holding every new row's key and value; slots, positions [N] int64. Returns [N, H * hd] float32.
-torch::Tensor cached_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor slots, torch::Tensor positions) {
-    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be [N, H, hd] float32");
+// What both attention entry points check: the caches' layout, and that every row's slot and
+// position lie inside them (slots and positions contiguous int64, one per row).
+void check_cache_rows(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
+                      const torch::Tensor& positions, int64_t rows) {
     TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                 k_cache.scalar_type() == v_cache.scalar_type(), "k/v caches must be [slots, KV, L, hd], alike");
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k/v caches must be contiguous");
-    TORCH_CHECK(slots.scalar_type() == torch::kInt64 && positions.scalar_type() == torch::kInt64,
-                "slots and positions must be int64");
-    q = q.contiguous();
-    slots = slots.contiguous();
-    positions = positions.contiguous();
-    const int64_t rows = q.size(0), heads = q.size(1), hd = q.size(2);
-    const int64_t kv_heads = k_cache.size(1), max_len = k_cache.size(2);
-    TORCH_CHECK(k_cache.size(3) == hd && heads % kv_heads == 0, "head shapes of q and the cache differ");
-    TORCH_CHECK(slots.numel() == rows && positions.numel() == rows, "one slot and position per row");
+    TORCH_CHECK(slots.scalar_type() == torch::kInt64 && positions.scalar_type() == torch::kInt64 &&
+                slots.numel() == rows && positions.numel() == rows, "one int64 slot and position per row");
     const int64_t* slot = slots.data_ptr<int64_t>();
     const int64_t* position = positions.data_ptr<int64_t>();
     for (int64_t r = 0; r < rows; ++r) {
-        TORCH_CHECK(0 <= position[r] && position[r] < max_len, "position outside the cache");
+        TORCH_CHECK(0 <= position[r] && position[r] < k_cache.size(2), "position outside the cache");
         TORCH_CHECK(0 <= slot[r] && slot[r] < k_cache.size(0), "slot outside the cache");
     }
-    auto out = torch::empty({rows, heads * hd}, q.options());
+}
+
+// [rows, heads * hd] float32: each row's query heads (query(r, h, dst) fills one) over its cache.
+template <typename Query>
+torch::Tensor attend(const Query& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                     const torch::Tensor& slots, const torch::Tensor& positions, int64_t rows, int64_t heads) {
+    const int64_t kv_heads = k_cache.size(1), max_len = k_cache.size(2), hd = k_cache.size(3);
+    auto out = torch::empty({rows, heads * hd}, k_cache.options().dtype(torch::kFloat32));
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    const float* qp = q.data_ptr<float>();
-    auto query = [&](int64_t r, int64_t h, float* dst) {
-        std::memcpy(dst, qp + (r * heads + h) * hd, hd * sizeof(float));
-    };
-    AT_DISPATCH_SWITCH(k_cache.scalar_type(), "cached_attention",
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int64_t* position = positions.data_ptr<int64_t>();
+    AT_DISPATCH_SWITCH(k_cache.scalar_type(), "attend",
         AT_DISPATCH_CASE(torch::kFloat32, [&] {
             attend_rows(query, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slot, position,
                         out.data_ptr<float>(), rows, heads, kv_heads, hd, max_len, scale);
@@ -256,6 +253,24 @@ torch::Tensor cached_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
                         position, out.data_ptr<float>(), rows, heads, kv_heads, hd, max_len, scale);
         }));
     return out;
+}
+
+// q [N, H, hd] float32; k_cache / v_cache [slots, KV, max_len, hd] float32 or bfloat16, already
+// holding every new row's key and value; slots, positions [N] int64. Returns [N, H * hd] float32.
+torch::Tensor cached_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor slots, torch::Tensor positions) {
+    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be [N, H, hd] float32");
+    q = q.contiguous();
+    slots = slots.contiguous();
+    positions = positions.contiguous();
+    const int64_t rows = q.size(0), heads = q.size(1), hd = q.size(2);
+    check_cache_rows(k_cache, v_cache, slots, positions, rows);
+    TORCH_CHECK(k_cache.size(3) == hd && heads % k_cache.size(1) == 0, "head shapes of q and the cache differ");
+    const float* qp = q.data_ptr<float>();
+    auto query = [&](int64_t r, int64_t h, float* dst) {
+        std::memcpy(dst, qp + (r * heads + h) * hd, hd * sizeof(float));
+    };
+    return attend(query, k_cache, v_cache, slots, positions, rows, heads);
 }
 
 // x * cos + rotate_half(x) * sin for one head, the sign of rotate_half folded into signed_sin.
@@ -272,50 +287,37 @@ torch::Tensor rope_cache_attention(torch::Tensor qkv, torch::Tensor cos, torch::
                                    torch::Tensor positions, int64_t heads, bool bf16_out) {
     TORCH_CHECK(qkv.dim() == 2 && (qkv.scalar_type() == torch::kFloat32 || qkv.scalar_type() == torch::kBFloat16),
                 "qkv must be [N, (H + 2 KV) hd] float32 or bfloat16");
-    if (qkv.scalar_type() == torch::kBFloat16) qkv = qkv.narrow(0, 0, cos.size(0)).to(torch::kFloat32);
-    TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-                k_cache.scalar_type() == v_cache.scalar_type(), "k/v caches must be [slots, KV, L, hd], alike");
-    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k/v caches must be contiguous");
-    const int64_t rows = qkv.size(0), kv_heads = k_cache.size(1), max_len = k_cache.size(2), hd = k_cache.size(3);
+    qkv = qkv.to(torch::kFloat32).contiguous();
+    slots = slots.contiguous();
+    positions = positions.contiguous();
+    const int64_t rows = qkv.size(0);
+    check_cache_rows(k_cache, v_cache, slots, positions, rows);
+    const int64_t kv_heads = k_cache.size(1), max_len = k_cache.size(2), hd = k_cache.size(3);
     TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * hd && heads % kv_heads == 0, "qkv width and heads differ");
     TORCH_CHECK(cos.sizes() == signed_sin.sizes() && cos.size(0) == rows && cos.size(-1) == hd &&
                 cos.scalar_type() == torch::kFloat32 && signed_sin.scalar_type() == torch::kFloat32,
                 "cos and signed_sin must be [N, hd] float32");
-    TORCH_CHECK(slots.scalar_type() == torch::kInt64 && positions.scalar_type() == torch::kInt64 &&
-                slots.numel() == rows && positions.numel() == rows, "one int64 slot and position per row");
-    qkv = qkv.contiguous();
     cos = cos.contiguous().view({rows, hd});
     signed_sin = signed_sin.contiguous().view({rows, hd});
-    slots = slots.contiguous();
-    positions = positions.contiguous();
-    const int64_t* slot = slots.data_ptr<int64_t>();
-    const int64_t* position = positions.data_ptr<int64_t>();
-    for (int64_t r = 0; r < rows; ++r) {
-        TORCH_CHECK(0 <= position[r] && position[r] < max_len, "position outside the cache");
-        TORCH_CHECK(0 <= slot[r] && slot[r] < k_cache.size(0), "slot outside the cache");
-    }
     const float* x = qkv.data_ptr<float>();
     const float* c = cos.data_ptr<float>();
     const float* sn = signed_sin.data_ptr<float>();
-    const int64_t width = qkv.size(1);
-    auto out = torch::empty({rows, heads * hd}, qkv.options());
-    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    auto query = [&](int64_t r, int64_t h, float* dst) {
-        rope(x + r * width + h * hd, c + r * hd, sn + r * hd, hd, dst);
-    };
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int64_t* position = positions.data_ptr<int64_t>();
     AT_DISPATCH_SWITCH(k_cache.scalar_type(), "rope_cache_attention",
         AT_DISPATCH_CASE(torch::kFloat32, [&] {
             write_rows(x, c, sn, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slot, position, rows,
                        heads, kv_heads, hd, max_len);
-            attend_rows(query, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slot, position,
-                        out.data_ptr<float>(), rows, heads, kv_heads, hd, max_len, scale);
         })
         AT_DISPATCH_CASE(torch::kBFloat16, [&] {
             write_rows(x, c, sn, k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), slot,
                        position, rows, heads, kv_heads, hd, max_len);
-            attend_rows(query, k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), slot,
-                        position, out.data_ptr<float>(), rows, heads, kv_heads, hd, max_len, scale);
         }));
+    const int64_t width = qkv.size(1);
+    auto query = [&](int64_t r, int64_t h, float* dst) {
+        rope(x + r * width + h * hd, c + r * hd, sn + r * hd, hd, dst);
+    };
+    auto out = attend(query, k_cache, v_cache, slots, positions, rows, heads);
     return bf16_out ? out.to(torch::kBFloat16) : out;
 }
 
@@ -329,25 +331,6 @@ inline void norm_row(const float* row, const float* w, int64_t d, float eps, T* 
     for (int l = 0; i + l < d; ++l) acc[l] += row[i + l] * row[i + l];
     const float scale = 1.0f / std::sqrt(lane_sum(acc) / static_cast<float>(d) + eps);
     for (int64_t j = 0; j < d; ++j) out[j] = static_cast<T>(w[j] * (row[j] * scale));
-}
-
-// RMSNorm of each row of x [N, d] float32. One call where the composed torch ops were six, each a
-// few microseconds at decode.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32,
-                "rms_norm takes float32");
-    const int64_t d = x.size(-1);
-    TORCH_CHECK(weight.numel() == d, "weight must have the last dimension's size");
-    auto flat = x.contiguous().view({-1, d});
-    weight = weight.contiguous();
-    auto out = torch::empty_like(flat);
-    const float* in = flat.data_ptr<float>();
-    const float* w = weight.data_ptr<float>();
-    float* o = out.data_ptr<float>();
-    at::parallel_for(0, flat.size(0), 16, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) norm_row(in + r * d, w, d, static_cast<float>(eps), o + r * d);
-    });
-    return out.view(x.sizes());
 }
 
 // The residual stream's step between two matmuls: x += delta (in place, delta's rows in float32),
@@ -384,6 +367,13 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, 
         }
     });
     return out;
+}
+
+// RMSNorm of each row of x [..., d] float32: add_rms_norm without a delta. One call where the
+// composed torch ops were six, each a few microseconds at decode.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32, "rms_norm takes float32");
+    return add_rms_norm(x.contiguous().view({-1, x.size(-1)}), c10::nullopt, weight, eps, false).view(x.sizes());
 }
 
 // SwiGLU's middle: silu(gate) * up for gate_up [N, 2h] (gate first), in float32, returned in

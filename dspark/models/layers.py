@@ -19,8 +19,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 like the reference implementations, then cast back.
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            if x.device.type == "cpu" and not torch.is_grad_enabled() and kernels() is not None:
-                return kernels().rms_norm(x, self.weight, self.eps)  # one call, not six tiny ops
+            ops = kernels() if x.device.type == "cpu" and not torch.is_grad_enabled() else None
+            if ops is not None:
+                return ops.rms_norm(x, self.weight, self.eps)  # one call, not six tiny ops
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         dtype = x.dtype
         x = x.float()

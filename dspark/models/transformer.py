@@ -239,6 +239,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.precision = "fp32"  # until set_precision
+        self._fused_layers = False  # q|k|v and gate|up fused in every layer (set_precision)
         self.model = _Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -256,6 +257,8 @@ class Transformer(nn.Module):
         self.precision = apply_precision(self, precision)
         for layer in self.model.layers:
             layer.__dict__.pop("_parts", None)
+        # fusing projections happens only here: whether the fused layer path applies is known now
+        self._fused_layers = all(layer.fusable for layer in self.model.layers)
         return self.precision
 
     @property
@@ -308,7 +311,7 @@ class Transformer(nn.Module):
         rope = rope_tables(cos.to(x.dtype), sin.to(x.dtype))
         captured = {}
         plan = plan_attention(batch, cache, self.cached_kernel)
-        if plan.cached_kernel and all(layer.fusable for layer in self.model.layers):
+        if plan.cached_kernel and self._fused_layers:
             delta = None  # the last layer's output, not yet added to x
             for i, layer in enumerate(self.model.layers):
                 delta = layer.fused_forward(x, delta, rope, plan, cache)
