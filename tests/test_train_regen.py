@@ -112,3 +112,22 @@ def test_the_command_line_trains_on_regenerated_shards_with_the_real_target(tmp_
     assert "training and" in said and '"steps_done": 2' in said
     assert any((tmp_path / "cache").rglob("*.safetensors"))
     assert (tmp_path / "out" / "drafter" / "config.json").exists()
+
+
+def test_a_bf16_target_has_its_own_feature_cache_entries_close_to_fp32(tmp_path):
+    from dspark.models.loader import load_model
+    from dspark.models.precision import has_bf16_matmul
+    if not has_bf16_matmul():
+        pytest.skip("this CPU has no oneDNN bf16 kernels")
+    seqs = [(s.tokens, s.loss_mask) for s in map(to_sequence, random_records(1, 49152, seed=5))]
+    fp32, bf16 = load_model("smollm2-135m").model, load_model("smollm2-135m").model
+    bf16.set_precision("bf16")
+    exact = OnlineDataset(fp32, seqs, CTX_LAYERS, "smollm2-135m", cache_dir=tmp_path)[0]
+    fast = OnlineDataset(bf16, seqs, CTX_LAYERS, "smollm2-135m", cache_dir=tmp_path)[0]
+    assert len(list(tmp_path.rglob("*.safetensors"))) == 2  # not read from the fp32 entry
+    # the bf16 target's logsumexp normalises its own hidden states (bf16 LM-head matmul, fp32 sum)
+    lse = torch.logsumexp(fast.final_hidden @ bf16.output_weight.detach().T, -1)
+    assert (fast.target_lse - lse).abs().max() < 0.1
+    # and its features are near the fp32 target's (precision_quality.py measures the agreement)
+    cos = torch.nn.functional.cosine_similarity(fast.final_hidden, exact.final_hidden, dim=-1)
+    assert cos.min() > 0.95 and not torch.equal(fast.features, exact.features)

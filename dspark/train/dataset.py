@@ -83,12 +83,16 @@ def target_features(model, tokens: torch.Tensor, ctx_layers: list[int]) -> tuple
 @torch.no_grad()
 def target_features_and_lse(model, tokens: torch.Tensor, ctx_layers: list[int], chunk: int = 256):
     """target_features plus the full-vocabulary logsumexp of every row's logits [L] (float32), from the
-    bf16-rounded hidden state the cache keeps (so it normalises exactly the logits training computes)."""
+    bf16-rounded hidden state the cache keeps (so it normalises exactly the logits training computes).
+    A bf16 target takes the LM-head matmul in bf16 too (fp32 accumulation): 2x faster where the
+    CPU has bf16 dot products, and the features are bf16-rounded already."""
     features, hidden = target_features(model, tokens, ctx_layers)
-    hidden = hidden.to(torch.bfloat16).float()
-    weight = model.output_weight.float()
-    lse = torch.cat([torch.logsumexp(hidden[i:i + chunk] @ weight.T, -1) for i in range(0, hidden.shape[0], chunk)])
-    return features, hidden, lse
+    hidden = hidden.to(torch.bfloat16)
+    dtype = torch.bfloat16 if getattr(model, "precision", "fp32") == "bf16" else torch.float32
+    weight, rows = model.output_weight.to(dtype), hidden.to(dtype)
+    lse = torch.cat([torch.logsumexp((rows[i:i + chunk] @ weight.T).float(), -1)
+                     for i in range(0, hidden.shape[0], chunk)])
+    return features, hidden.float(), lse
 
 
 class OnlineDataset:
@@ -110,8 +114,10 @@ class OnlineDataset:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
 
     def _cache_path(self, tokens: torch.Tensor) -> Path:
-        key = hashlib.sha256(tokens.to(torch.int64).numpy().tobytes()
-                             + json.dumps([self.meta["target"], self._ctx_layers]).encode()).hexdigest()[:32]
+        # the target's precision is part of the key: an fp32 and a bf16 target give different features
+        precision = getattr(self.model, "precision", "fp32")
+        named = [self.meta["target"], self._ctx_layers] + ([] if precision == "fp32" else [precision])
+        key = hashlib.sha256(tokens.to(torch.int64).numpy().tobytes() + json.dumps(named).encode()).hexdigest()[:32]
         return self.cache_dir / key[:2] / f"{key}.safetensors"
 
     @property
