@@ -131,3 +131,20 @@ def test_a_bf16_target_has_its_own_feature_cache_entries_close_to_fp32(tmp_path)
     # and its features are near the fp32 target's (precision_quality.py measures the agreement)
     cos = torch.nn.functional.cosine_similarity(fast.final_hidden, exact.final_hidden, dim=-1)
     assert cos.min() > 0.95 and not torch.equal(fast.features, exact.features)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_teacher_forced_features_match_a_plain_pass_of_the_real_target(precision):
+    from dspark.models.batch import VarlenBatch
+    from dspark.models.loader import load_model
+    from dspark.models.precision import has_bf16_matmul
+    if precision == "bf16" and not has_bf16_matmul():
+        pytest.skip("this CPU has no oneDNN bf16 kernels")
+    model = load_model("smollm2-135m").model
+    model.set_precision(precision)
+    tokens = torch.randint(0, 49152, (300,), generator=torch.Generator().manual_seed(1))
+    features, hidden = dataset_module.target_features(model, tokens, [4, 20])  # one-slot cache, whole calls
+    plain = model(VarlenBatch.build([tokens.tolist()], [0]), capture_layers=[4, 20], logits_rows=None)
+    tol = 1e-3 if precision == "fp32" else 0.1
+    assert (hidden - plain.hidden.float()).abs().max() < tol * hidden.abs().max()
+    assert (features - plain.features.float()).abs().max() < tol * features.abs().max()
