@@ -148,3 +148,19 @@ def test_teacher_forced_features_match_a_plain_pass_of_the_real_target(precision
     tol = 1e-3 if precision == "fp32" else 0.1
     assert (hidden - plain.hidden.float()).abs().max() < tol * hidden.abs().max()
     assert (features - plain.features.float()).abs().max() < tol * features.abs().max()
+
+
+def test_calibration_prompts_are_corpus_records_the_trainer_never_reads():
+    from dspark.train.calibrate import CORPUS, held_out_prompts
+    prompts = held_out_prompts(CORPUS, 64)
+    assert len(prompts) == 64 and len(set(prompts)) == 64
+    with gzip.open(CORPUS, "rt") as f:
+        by_text = {}
+        for line in f:
+            record = json.loads(line)
+            by_text.setdefault(record["turns"][0], []).append(record["id"])
+    regen = "datasets/train/regen"
+    trained = {s.id for s in load_split(regen)[0]}
+    for text in prompts:
+        assert all(is_held_out(i, 0.02) and i not in trained for i in by_text[text])
+    assert held_out_prompts(CORPUS, 64) == prompts  # the same every time

@@ -1,14 +1,18 @@
 """Stage 4: fit STS temperatures on a held-out split and store them with the drafter.
 
-Held-out prompts are training-style prompts the drafter never saw (a different seed of the
-prompt builder), never the evaluation sets. The drafter runs with the target in the loop,
-verifying full blocks, and every (confidence logits, accepted length) pair is a label.
+Held-out prompts are training-style prompts the drafter never saw: the corpus records that the
+trainer holds out by a hash of their id (dspark.train.regen_data.is_held_out), never the
+evaluation sets. The drafter runs with the target in the loop, verifying full blocks, at each
+temperature asked (served traffic mixes greedy and sampled requests, so the fit pools them), and
+every (confidence logits, accepted length) pair is a label.
 
-    python -m dspark.train.calibrate --drafter drafters/smollm2-135m/dspark --prompts 48
+    python -m dspark.train.calibrate --drafter drafters/smollm2-135m/dspark --prompts 64
 """
 from __future__ import annotations
 
 import argparse
+import gzip
+import hashlib
 import json
 from pathlib import Path
 
@@ -16,8 +20,22 @@ import numpy as np
 
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.sched.calibration import fit_sts
-from dspark.train.evaluate import confidence_quality, run_drafter
-from dspark.train.prompts import build_prompts
+from dspark.train.evaluate import Run, confidence_quality, run_drafter
+from dspark.train.regen_data import is_held_out
+
+CORPUS = Path(__file__).resolve().parents[2] / "datasets" / "train" / "prompts.jsonl.gz"
+
+
+def held_out_prompts(corpus: str | Path, count: int, share: float = 0.02) -> list[str]:
+    """First turns of `count` held-out corpus records, in an order fixed by a hash of their ids
+    (so every category shows up, not just the corpus file's first source). A first turn that a
+    training record also opens with (a multi-turn record built on the same question) is left out."""
+    with gzip.open(corpus, "rt") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    trained = {r["turns"][0] for r in records if not is_held_out(r["id"], share)}
+    held = sorted((r for r in records if is_held_out(r["id"], share) and r["turns"][0] not in trained),
+                  key=lambda r: hashlib.sha256(r["id"].encode()).digest())
+    return list(dict.fromkeys(r["turns"][0] for r in held))[:count]
 
 
 def main(argv=None):
@@ -26,27 +44,33 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--drafter", required=True)
-    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--prompts", type=int, default=64, help="held-out corpus prompts per temperature")
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=12345, help="prompt-builder seed; training used another")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--corpus", default=str(CORPUS), help="prompt corpus (dspark.train.corpus.build)")
+    ap.add_argument("--held-out-share", type=float, default=0.02, help="as the trainer's --held-out-share")
     args = ap.parse_args(argv)
 
     loaded = load_model(args.model)
     drafter = load_drafter_for(loaded, args.drafter)
     if not drafter.has_confidence:
         raise SystemExit(f"{drafter.kind} has no confidence head: nothing to calibrate")
-    vocab = [loaded.tokenizer.tok.id_to_token(i) for i in range(loaded.tokenizer.vocab_size)]
-    texts = build_prompts(args.prompts, vocab, seed=args.seed)
+    texts = held_out_prompts(args.corpus, args.prompts, args.held_out_share)
     prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
-    run = run_drafter(loaded.model, drafter, prompts, args.temperature, args.max_tokens)
+    run = Run()
+    for temperature in args.temperatures:
+        one = run_drafter(loaded.model, drafter, prompts, temperature, args.max_tokens)
+        run.conf_logits += one.conf_logits
+        run.accepted += one.accepted
+        run.verified += one.verified
     z, acc, ver = np.asarray(run.conf_logits), np.asarray(run.accepted), np.asarray(run.verified)
     temps = fit_sts(z, acc, ver)
     quality = confidence_quality(run, temps)
     path = Path(args.drafter)
     (path / "calibration.json").write_text(json.dumps(dict(
         temperatures=[float(t) for t in temps], drafter_version=drafter.version, blocks=len(z),
-        temperature=args.temperature, prompts=args.prompts, seed=args.seed, fit_quality=quality), indent=1))
+        temperatures_sampled=args.temperatures, prompts=len(texts), corpus=Path(args.corpus).name,
+        held_out_share=args.held_out_share, fit_quality=quality), indent=1))
     print(f"STS temperatures {np.round(temps, 3).tolist()} from {len(z)} blocks; mean ECE "
           f"{quality['raw']['mean_ece']:.4f} -> {quality['sts']['mean_ece']:.4f} (fit split)")
 
