@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.sched.calibration import fit_sts
@@ -58,12 +59,14 @@ def main(argv=None):
     texts = held_out_prompts(args.corpus, args.prompts, args.held_out_share)
     prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
     run = Run()
+    bar = tqdm(total=len(args.temperatures) * len(prompts) * args.max_tokens, desc="calibrate", unit="tok")
     for temperature in args.temperatures:
-        one = run_drafter(loaded.model, drafter, prompts, temperature, args.max_tokens)
+        one = run_drafter(loaded.model, drafter, prompts, temperature, args.max_tokens, progress=bar.update)
         run.conf_logits += one.conf_logits
         run.accepted += one.accepted
         run.verified += one.verified
     z, acc, ver = np.asarray(run.conf_logits), np.asarray(run.accepted), np.asarray(run.verified)
+    bar.close()
     temps = fit_sts(z, acc, ver)
     quality = confidence_quality(run, temps)
     path = Path(args.drafter)
