@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import socket
 
@@ -93,7 +95,13 @@ async def serve(args) -> None:
          "dspark.v1.Verifier"),
     ])
     await app.start()
-    loaded = await asyncio.to_thread(load_model, args.model, device=args.device, precision=args.precision)
+    # All torch work (load, SPS warm-up, every step) on one thread: see EngineRunner.start.
+    torch_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+
+    async def on_torch(fn, *fn_args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(torch_thread, functools.partial(fn, *fn_args, **kwargs))
+
+    loaded = await on_torch(load_model, args.model, device=args.device, precision=args.precision)
     metrics.report_device("verifier", describe(args.device))
     drafter = None
     if args.drafter_addr:
@@ -107,7 +115,7 @@ async def serve(args) -> None:
     draft_len = (args.draft_len if args.draft_len >= 0 else drafter.gamma) if drafter is not None else 0
     policy = control.make_policy(drafter, draft_len, args.schedule == "on")
     engine = SpecEngine(loaded.model, drafter, policy, max_batch=args.max_batch, max_len=args.max_len)
-    await control.warmup(engine, args.max_batch)
+    await control.warmup(engine, args.max_batch, run=on_torch)
     metrics.VERIFY_BUDGET.set(policy.budget_in_force)
 
     reporter = None
@@ -138,7 +146,7 @@ async def serve(args) -> None:
         runner.step_spans = StepSpans()
         if drafter is not None:
             drafter.trace_context = runner.step_spans.carrier
-    runner.start()
+    runner.start(torch_thread)
     slot.core = VerifierCore(runner, loaded.tokenizer, loaded.name, args.max_len, loaded.model.config.vocab_size,
                              drafter.info if drafter is not None else None, args.default_max_tokens,
                              args.max_tokens_cap)

@@ -63,10 +63,12 @@ class BudgetControl:
         self.drafter_version, self.calibration_version = drafter.version, 0
         return self.policy
 
-    async def warmup(self, engine, max_batch: int) -> None:
+    async def warmup(self, engine, max_batch: int, run=asyncio.to_thread) -> None:
+        """Profile the SPS table; `run(fn, *args, **kwargs)` awaits fn off the event loop (the
+        verifier passes its torch thread, so the table measures the thread that steps)."""
         gamma = self.drafter.gamma if self.drafter is not None else 0
         if self.warmup_s > 0:
-            table = await asyncio.to_thread(warmup_profile, engine, max_batch * (1 + gamma), budget_s=self.warmup_s)
+            table = await run(warmup_profile, engine, max_batch * (1 + gamma), budget_s=self.warmup_s)
             self.sps.update(table)
             metrics.SPS_POINTS.set(len(table.seconds_by_tokens))
 

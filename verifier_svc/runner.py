@@ -7,6 +7,7 @@ with call_soon_threadsafe. Step reports go to a callback that must not block.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -50,14 +51,24 @@ class EngineRunner:
         self.inbox_size = 0  # submitted, not yet in the engine (read by load reports)
         self.step_spans = None  # verifier_svc.step_spans.StepSpans when tracing is on
         self.thread = threading.Thread(target=self._run, daemon=True, name="engine")
+        self._loop: concurrent.futures.Future | None = None  # the loop, when it runs on an executor
 
-    def start(self) -> None:
-        self.thread.start()
+    def start(self, executor: concurrent.futures.Executor | None = None) -> None:
+        """Step on `executor` (the process's one torch thread, the one that loaded the model) or on
+        a thread of its own. Every thread that runs torch ops gets its own OpenMP team, and an idle
+        team beside the stepping one costs ~1.8x a step on a small host (docs/results.md)."""
+        if executor is None:
+            self.thread.start()
+        else:
+            self._loop = executor.submit(self._run)
 
     def stop(self) -> None:
         self._stop.set()
         self._inbox.put(("wake", None))
-        self.thread.join(timeout=10)
+        if self._loop is not None:
+            concurrent.futures.wait([self._loop], timeout=10)
+        elif self.thread.is_alive():
+            self.thread.join(timeout=10)
 
     def submit(self, job: Job) -> None:
         with self._inbox_lock:
