@@ -29,6 +29,7 @@ from dspark.device import add_device_flag, device_or_exit
 from dspark.drafters.shipped import default_drafter_dir
 from dspark.models.loader import DEFAULT_MODEL
 from dspark.models.precision import add_precision_flag
+from dspark.models.threads import available_cores
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,9 +49,19 @@ def serving(address: str) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def service_threads(cores: int) -> dict[str, int]:
+    """Torch threads per local service when OMP_NUM_THREADS does not say: the three processes share
+    this host, and an engine whose OpenMP workers hold every core starves the per-token gRPC work
+    of client, scheduler and verifier (2 cores: 40 tokens/s with the verifier on both, 60 with it
+    on one, docs/results.md). The verifier gets all but one core, the drafter and the rest one."""
+    return {"verifier_svc": max(1, cores - 1)}
+
+
 def start(module: str, flags: list[str], log_dir: Path, token: str = "") -> subprocess.Popen:
     log = open(log_dir / f"{module}.log", "w")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(service_threads(available_cores()).get(module, 1))
     if token:  # the internal plane's shared secret (a fresh one per run; the gateway needs none)
         env["DSPARK_INTERNAL_TOKEN"] = token
     return subprocess.Popen([sys.executable, "-m", module, *flags], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
