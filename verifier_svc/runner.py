@@ -50,25 +50,19 @@ class EngineRunner:
         self._inbox_lock = threading.Lock()  # inbox_size changes on the gRPC thread and the engine thread
         self.inbox_size = 0  # submitted, not yet in the engine (read by load reports)
         self.step_spans = None  # verifier_svc.step_spans.StepSpans when tracing is on
-        self.thread = threading.Thread(target=self._run, daemon=True, name="engine")
-        self._loop: concurrent.futures.Future | None = None  # the loop, when it runs on an executor
+        self._loop: concurrent.futures.Future | None = None  # the stepping loop, once started
 
-    def start(self, executor: concurrent.futures.Executor | None = None) -> None:
-        """Step on `executor` (the process's one torch thread, the one that loaded the model) or on
-        a thread of its own. Every thread that runs torch ops gets its own OpenMP team, and an idle
-        team beside the stepping one costs ~1.8x a step on a small host (docs/results.md)."""
-        if executor is None:
-            self.thread.start()
-        else:
-            self._loop = executor.submit(self._run)
+    def start(self, executor: concurrent.futures.Executor) -> None:
+        """Step on `executor`: the process's one torch thread, the one that loaded the model. Every
+        thread that runs torch ops gets its own OpenMP team, and an idle team beside the stepping
+        one costs ~1.8x a step on a small host (docs/results.md)."""
+        self._loop = executor.submit(self._run)
 
     def stop(self) -> None:
         self._stop.set()
         self._inbox.put(("wake", None))
         if self._loop is not None:
             concurrent.futures.wait([self._loop], timeout=10)
-        elif self.thread.is_alive():
-            self.thread.join(timeout=10)
 
     def submit(self, job: Job) -> None:
         with self._inbox_lock:

@@ -61,10 +61,7 @@ def main(argv=None):
     run = Run()
     bar = tqdm(total=len(args.temperatures) * len(prompts) * args.max_tokens, desc="calibrate", unit="tok")
     for temperature in args.temperatures:
-        one = run_drafter(loaded.model, drafter, prompts, temperature, args.max_tokens, progress=bar.update)
-        run.conf_logits += one.conf_logits
-        run.accepted += one.accepted
-        run.verified += one.verified
+        run.add(run_drafter(loaded.model, drafter, prompts, temperature, args.max_tokens, progress=bar.update))
     z, acc, ver = np.asarray(run.conf_logits), np.asarray(run.accepted), np.asarray(run.verified)
     bar.close()
     temps = fit_sts(z, acc, ver)

@@ -43,6 +43,13 @@ class Run:
     accepted: list = field(default_factory=list)
     verified: list = field(default_factory=list)
 
+    def add(self, other: Run) -> None:
+        """Pool another run's blocks into this one (several prompt sets or temperatures)."""
+        self.metrics = self.metrics.merge(other.metrics)
+        self.conf_logits += other.conf_logits
+        self.accepted += other.accepted
+        self.verified += other.verified
+
 
 def run_drafter(model, drafter, prompts: list[list[int]], temperature: float, max_tokens: int,
                 batch: int = 8, seed: int = 0, progress=None) -> Run:
@@ -121,10 +128,7 @@ def main(argv=None):
                 results[f"{name}|{temperature}|{dataset}"] = dict(
                     tau=run.metrics.acceptance_length, conditional=run.metrics.conditional_acceptance(),
                     drafts=run.metrics.drafts, accepted=run.metrics.accepted_tokens)
-                combined.metrics = combined.metrics.merge(run.metrics)
-                combined.conf_logits += run.conf_logits
-                combined.accepted += run.accepted
-                combined.verified += run.verified
+                combined.add(run)
             entry = dict(tau=combined.metrics.acceptance_length, conditional=combined.metrics.conditional_acceptance(),
                          drafts=combined.metrics.drafts, accepted=combined.metrics.accepted_tokens)
             entry["confidence"] = confidence_quality(combined, temps)
