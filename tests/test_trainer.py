@@ -121,6 +121,21 @@ def test_resume_equals_uninterrupted_run(target, data_dir, tmp_path, kind):
     assert [r["loss"] for r in log_a] == pytest.approx([r["loss"] for r in log_b], abs=1e-6)
 
 
+def test_init_starts_from_a_saved_drafter_and_refuses_other_shapes(target, data_dir, tmp_path):
+    """--init: step 1 of the new run starts from the saved weights (its loss is the old run's level,
+    not a fresh drafter's), and a drafter of another shape is refused before any step runs."""
+    first = train(config("dspark", steps=30, lr=1e-2), data_dir, tmp_path / "first", target=target,
+                  show_progress=False)
+    fresh = train(config("dspark", steps=1), data_dir, tmp_path / "fresh", target=target, show_progress=False)
+    warm = train(config("dspark", steps=1), data_dir, tmp_path / "warm", target=target, show_progress=False,
+                 init=first["drafter_dir"])
+    assert warm["final"]["loss"] < 0.97 * fresh["final"]["loss"]
+    other = config("dspark", steps=1)
+    other["drafter"]["markov_rank"] = 8
+    with pytest.raises(ValueError, match="do not match"):
+        train(other, data_dir, tmp_path / "other", target=target, show_progress=False, init=first["drafter_dir"])
+
+
 @pytest.mark.parametrize("kind,bf16", [("dspark", False), ("dflash", False), ("dspark", True)])
 def test_training_reduces_the_loss(target, data_dir, tmp_path, kind, bf16):
     """bf16: the drafter's matmuls under bf16 autocast (train.bf16, AMX) learn as well."""

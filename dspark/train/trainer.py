@@ -180,6 +180,19 @@ def load_checkpoint(path: Path, drafter, optimizer, scheduler) -> int:
     return state["step"]
 
 
+def warm_start(drafter, directory: str | Path) -> None:
+    """Load a saved drafter's weights into a freshly built one of the same shapes (clear error otherwise)."""
+    state = load_file(str(Path(directory) / "model.safetensors"))
+    own = drafter.state_dict()
+    mismatched = sorted(k for k in own.keys() | state.keys()
+                        if k not in own or k not in state or own[k].shape != state[k].shape)
+    if mismatched:
+        raise ValueError(f"--init {directory}: weights do not match this config: {', '.join(mismatched[:5])}")
+    if not torch.equal(state["draft_vocab"], own["draft_vocab"].cpu()):
+        raise ValueError(f"--init {directory}: draft vocabulary differs from this dataset's")
+    drafter.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
+
+
 def _target_weights(target, name: str):
     if target is None:
         from dspark.models.loader import load_model
@@ -253,7 +266,7 @@ def _accept_len(accept: list[float]) -> float:
 
 def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str | Path, resume: bool = True,
           target=None, dataset=None, show_progress: bool = True, stop_after: int | None = None,
-          device: torch.device | str = "cpu", heldout=None) -> dict:
+          device: torch.device | str = "cpu", heldout=None, init: str | Path | None = None) -> dict:
     """Train to the step budget (resuming from out_dir's latest checkpoint); return a summary.
 
     target: a dspark Transformer giving the embedding / LM head (default: load config["target"]
@@ -262,6 +275,8 @@ def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str |
     are done in total, e.g. to time-box a session; a later call resumes. device: where the
     drafter trains (the data stays on the host until its step). heldout: sequences never trained
     on (same interface as the dataset), read every train.eval_every steps for the held-out loss.
+    init: a saved drafter (e.g. a shipped one) whose weights a fresh run starts from, to extend a
+    budget across machines without carrying optimizer state; its shapes must match the config.
     """
     cfg = load_train_config(config)
     t = cfg["train"]
@@ -292,6 +307,8 @@ def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str |
     checkpoints = _checkpoint_dirs(out)
     if resume and checkpoints:
         step = load_checkpoint(checkpoints[-1], drafter, optimizer, scheduler)
+    elif init is not None:
+        warm_start(drafter, init)
     log_path = out / "log.jsonl"
     kept = [line for line in (log_path.read_text().splitlines() if log_path.exists() and step else [])
             if json.loads(line)["step"] <= step]
@@ -385,6 +402,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-seq-len", type=int, default=2048, help="with --regen: longer records are cut")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
+    parser.add_argument("--init", help="a saved drafter directory to start from (a fresh run only)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     parser.add_argument("--bf16", action="store_true", help="train.bf16: bf16 autocast for the drafter (AMX)")
     add_device_flag(parser)
@@ -411,7 +429,7 @@ def main(argv=None) -> None:
         config = json.loads(Path(args.config).read_text())
         config.setdefault("train", {})["bf16"] = True
     summary = train(config, args.data, args.out, resume=not args.no_resume, device=device,
-                    target=target, dataset=dataset, heldout=heldout)
+                    target=target, dataset=dataset, heldout=heldout, init=args.init)
     print(json.dumps(summary, indent=2))
 
 
