@@ -6,8 +6,8 @@ import pytest
 from dspark.local import service_threads
 
 
-@pytest.mark.parametrize("cores, verifier", [(1, 1), (2, 1), (4, 3), (16, 15)])
-def test_the_verifier_leaves_one_core_to_the_serving_path(cores, verifier):
+@pytest.mark.parametrize("cores, verifier", [(1, 1), (2, 2), (4, 4), (16, 16)])
+def test_the_verifier_takes_every_core_and_the_other_services_one(cores, verifier):
     threads = service_threads(cores)
     assert threads["verifier_svc"] == verifier
     # everything else (drafter, scheduler, gateway) runs on one thread

@@ -114,7 +114,10 @@ async def serve(args) -> None:
                       args.drafter_wait_s)
     draft_len = (args.draft_len if args.draft_len >= 0 else drafter.gamma) if drafter is not None else 0
     policy = control.make_policy(drafter, draft_len, args.schedule == "on")
-    engine = SpecEngine(loaded.model, drafter, policy, max_batch=args.max_batch, max_len=args.max_len)
+    # Built on the torch thread too: its KV-cache fill is a parallel region, and a second thread's
+    # OpenMP team makes libgomp throttle every worker's spin (more threads than cores).
+    engine = await on_torch(SpecEngine, loaded.model, drafter, policy, max_batch=args.max_batch,
+                            max_len=args.max_len)
     await control.warmup(engine, args.max_batch, run=on_torch)
     metrics.VERIFY_BUDGET.set(policy.budget_in_force)
 
