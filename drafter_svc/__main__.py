@@ -88,7 +88,10 @@ def load(args):
 async def serve(args) -> None:
     service = DrafterService(args.max_batch, args.max_len, args.max_contexts_per_stream)
     # Loaded before the port opens: the message limit derives from the drafter's row width.
-    service.drafter, service.target_model = await asyncio.to_thread(load, args)
+    # On the thread that drafts: a second thread running torch would bring a second OpenMP team,
+    # and libgomp throttles every worker's spin once threads outnumber cores.
+    service.drafter, service.target_model = await asyncio.get_running_loop().run_in_executor(
+        service.executor, load, args)
     if not args.max_message_mb:
         args.max_message_mb = message_mb(args.max_batch, args.max_len, service.width)
     log.info("drafter accepts messages up to %.1f MiB (%d sequences x %d positions), %d contexts per stream",
