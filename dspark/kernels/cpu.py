@@ -12,6 +12,7 @@ import functools
 import hashlib
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -25,8 +26,11 @@ FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 def _build_dir() -> Path:
     key = hashlib.sha256()
+    # The source's path and the interpreter too: build.ninja names both, so two checkouts (a
+    # training worktree beside the main one) sharing a directory would rebuild in turn, each
+    # waiting on the other's lock.
     for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(sorted(cpu_flags())).encode(),
-                 " ".join(FLAGS).encode()):
+                 " ".join(FLAGS).encode(), str(SOURCE.resolve()).encode(), sys.executable.encode()):
         key.update(part)
     root = Path(os.environ.get("DSPARK_KERNEL_CACHE", Path.home() / ".cache" / "dspark" / "kernels"))
     path = root / key.hexdigest()[:16]
