@@ -41,6 +41,11 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
+def _put_all(deliveries: list[tuple[Job, Event]]) -> None:
+    for job, event in deliveries:
+        job.events.put_nowait(event)
+
+
 class EngineRunner:
     def __init__(self, engine: SpecEngine, on_step=None):
         self.engine, self.on_step = engine, on_step
@@ -103,6 +108,7 @@ class EngineRunner:
                 self._fail_all(f"engine step failed: {error}")
                 continue
             stepped = []  # (job, new tokens), for the step spans
+            outbox: dict[asyncio.AbstractEventLoop, list[tuple[Job, Event]]] = {}
             for seq, tokens in events:
                 job = self._jobs.get(seq.req_id)
                 if job is None:
@@ -110,9 +116,11 @@ class EngineRunner:
                 stepped.append((job, tokens))
                 if seq.done:
                     del self._jobs[seq.req_id]
-                    job.deliver(Event(tokens, seq.finish.value, seq.spec.metrics))
+                    outbox.setdefault(job.loop, []).append((job, Event(tokens, seq.finish.value, seq.spec.metrics)))
                 elif tokens:
-                    job.deliver(Event(tokens))
+                    outbox.setdefault(job.loop, []).append((job, Event(tokens)))
+            for loop, deliveries in outbox.items():  # one wake-up of each event loop per step, not per request
+                loop.call_soon_threadsafe(_put_all, deliveries)
             if spans is not None:
                 spans.end(stepped, self.engine.last_report)
             if self.on_step is not None:
