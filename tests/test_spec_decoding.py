@@ -185,3 +185,29 @@ def test_confidence_policy_is_lossless_and_adapts_its_budget_to_the_target_cost(
     free = TwoStepBudget(lambda b: 10.0, default_draft_len=2, draft_cost=lambda r: 0.01)
     free.observe(np.full((2, 4), 0.5))
     assert free.budget(2) > 0 and ConfidencePolicy(free).should_draft(2)
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=5),
+                                    dict(temperature=1.0, top_p=0.8)], ids=["greedy", "t1", "t0.7-topk5", "t1-topp"])
+def test_a_step_without_drafts_samples_as_the_verification_would(params):
+    """SpecEngine samples a step with no drafts as plain decoding does (sample_rows). Chain rejection
+    with zero drafts must give the same token from the same uniform, so that shortcut changes no
+    seeded request's output: checked row by row on the same logits and seeds."""
+    from dspark.engine.sampler import row_probs, sample_rows
+    from dspark.engine.sequence import Sequence
+    from dspark.speculative.rejection import draw_uniforms, rejection_sample_auto
+
+    logits = torch.randn(64, 40, generator=torch.Generator().manual_seed(1)) * 3
+
+    def seqs():
+        return [Sequence([1], SamplingParams(seed=i, **params)) for i in range(64)]
+
+    plain = sample_rows(logits, seqs())
+    verifying = seqs()
+    lens = [0] * len(verifying)
+    u_acc, u_res = draw_uniforms(lens, [s.generator for s in verifying])
+    _, out = rejection_sample_auto(row_probs(logits, verifying), torch.empty(0, dtype=torch.long),
+                                   torch.empty(0, 1, dtype=torch.long), torch.empty(0, 1), torch.tensor(lens),
+                                   u_acc, u_res)
+    assert out[:, 0].tolist() == plain
+    assert params["temperature"] == 0 or len(set(plain)) > 5  # real draws, not one token

@@ -24,7 +24,7 @@ import torch
 from dspark.device import host_values
 from dspark.drafters.contract import DrafterContract
 from dspark.engine.generate import Engine
-from dspark.engine.sampler import row_probs
+from dspark.engine.sampler import row_probs, sample_rows
 from dspark.engine.sequence import Sequence
 from dspark.sampling import SamplingParams
 from dspark.speculative.errors import DrafterUnavailable
@@ -218,6 +218,9 @@ class SpecEngine(Engine):
         """One target pass, then chain rejection sampling: accepted drafts and the next token per request."""
         step.batch, step.out = self.runner.run(step.seqs, step.pieces, step.logit_rows)
         device, lens = self.runner.device, step.lens
+        if not sum(lens):  # plain decoding this step: the plain engine's sampler draws the same tokens
+            # with the same uniforms (one per request, inverse CDF of p), minus the verification's tensors
+            return [0] * len(step.seqs), [[t] for t in sample_rows(step.out.logits, step.seqs)]
         probs = row_probs(step.out.logits, step.seqs, [n + 1 for n in lens])
         if block is not None and sum(lens):
             spec_rows = [(i, j) for i, n in enumerate(lens[step.num_admitted:]) for j in range(n)]
