@@ -104,13 +104,15 @@ def main(argv=None) -> None:
                         row = services_round(s_addr, prompts[:c], args.max_tokens)
                         after = engine_seconds(f"http://127.0.0.1:{metrics_port}/metrics")
                         row["engine_step_ms"] = 1e3 * (after[0] - before[0]) / max(1.0, after[1] - before[1])
+                        row["engine_steps"] = int(after[1] - before[1])
                     else:
                         started = time.perf_counter()
                         row = in_process_round(engine, ids[:c], args.max_tokens)
-                        row["engine_step_ms"] = 1e3 * (time.perf_counter() - started) / max(map(len, row["outputs"]))
+                        row["engine_steps"] = max(map(len, row["outputs"]))  # one token a step, all at once
+                        row["engine_step_ms"] = 1e3 * (time.perf_counter() - started) / row["engine_steps"]
                     rounds[side].append(row)
                     print(f"c={c:<3} round {r + 1}/{args.rounds} {side:10} {row['tps']:7.2f} tokens/s  "
-                          f"engine {row['engine_step_ms']:.1f} ms/step", flush=True)
+                          f"engine {row['engine_steps']} steps, {row['engine_step_ms']:.1f} ms/step", flush=True)
             same = rounds["in-process"][0]["outputs"] == rounds["services"][0]["outputs"]
             median = {side: statistics.median(r["tps"] for r in rows) for side, rows in rounds.items()}
             step_ms = {side: statistics.median(r["engine_step_ms"] for r in rows) for side, rows in rounds.items()}
