@@ -12,6 +12,7 @@ from spec_helpers import random_drafter, tiny_target
 from drafter_svc.__main__ import load, parse_args
 from drafter_svc.contexts import Limits, answer
 from dspark.proto_gen.v1 import drafter_pb2
+from dspark.sampling import SamplingParams
 from dspark.serving import config
 from dspark.wire import tensor_to_proto
 from verifier_svc.remote_drafter import RemoteDrafter
@@ -89,3 +90,48 @@ def test_pushed_contexts_draft_what_the_same_context_drafts_locally(drafter_serv
         assert torch.equal(block.tokens, local.draft(["r"], anchor, zero, [None]).tokens)
     finally:
         remote.close()
+
+
+class _CountingRemote:
+    """A local drafter that says it is remote and counts the pushes the engine makes."""
+    remote = True
+
+    def __init__(self, local):
+        self.local, self.pushes = local, []
+
+    def __getattr__(self, name):
+        return getattr(self.local, name)
+
+    def push(self):
+        self.pushes.append(self.steps)
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_while_no_draft_is_asked_for_the_context_goes_every_nth_step(every):
+    """--context-push-every: a verifier that skips the drafter pushes only every N-th step, one
+    that drafts pushes after every step, and what the requests decode does not change."""
+    from dspark.speculative.engine import SpecEngine
+    from dspark.speculative.policy import FixedDraftLen
+    from spec_helpers import greedy_reference
+
+    target = tiny_target()
+    prompts = [[5, 9, 11, 3], [7, 2, 8]]
+    for draft_len in (0, 3):
+        drafter = _CountingRemote(random_drafter(target, "dspark", gamma=3))
+        engine = SpecEngine(target, drafter, FixedDraftLen(draft_len), context_push_every=every, max_batch=2,
+                            max_len=128)
+        seqs = [engine.add(p, SamplingParams(max_tokens=24)) for p in prompts]
+        drafter.steps, drafted = 0, []
+        while engine.has_work():
+            drafter.steps += 1
+            engine.step()
+            drafted.append(engine.last_report.drafted)
+        assert [s.output for s in seqs] == greedy_reference(target, prompts, 24)
+        expected, skipped = [], 0  # a step that drafted pushes; otherwise every N-th step in a row
+        for step, did in enumerate(drafted, 1):
+            skipped = 0 if did else skipped + 1
+            if skipped % every == 0:
+                expected.append(step)
+        assert drafter.pushes == expected, (draft_len, drafted, drafter.pushes)
+        assert any(drafted) == (draft_len > 0)
+        assert len(expected) >= (len(drafted) // every if draft_len == 0 else len(drafted) - 2)

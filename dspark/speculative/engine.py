@@ -97,8 +97,12 @@ class StepReport:
 
 
 class SpecEngine(Engine):
-    def __init__(self, model, drafter: DrafterContract | None = None, policy: SpeculationPolicy | None = None, **kw):
+    def __init__(self, model, drafter: DrafterContract | None = None, policy: SpeculationPolicy | None = None,
+                 context_push_every: int = 1, **kw):
+        """context_push_every: while no draft is asked for, a remote drafter gets its new context every
+        N-th step only (the rest goes with the next push or draft: one round trip either way)."""
         self.drafter = drafter
+        self.context_push_every, self._steps_unpushed = max(1, context_push_every), 0
         self.policy = policy or FixedDraftLen(drafter.gamma if drafter is not None else 0)
         super().__init__(model, capture_layers=tuple(drafter.ctx_layers) if drafter is not None else (), **kw)
         self.last_report = StepReport()
@@ -134,11 +138,15 @@ class SpecEngine(Engine):
             self.drafter.extend_context(seq.req_id, feats.float(), toks)
             spec.drafter_synced = seq.cached
 
-    def _push_context(self) -> None:
+    def _push_context(self, drafted: bool) -> None:
         """Every running request's new decided positions go to a remote drafter now, drafting or not:
         it extends its contexts while the next target pass runs (RemoteDrafter.push). A local
-        drafter would only do the same work sooner on this thread: it is extended when it drafts."""
+        drafter would only do the same work sooner on this thread: it is extended when it drafts.
+        While no draft is asked for, only every context_push_every-th step pushes."""
         if self.drafter is None or not self.drafter.remote:
+            return
+        self._steps_unpushed = 0 if drafted else self._steps_unpushed + 1
+        if self._steps_unpushed % self.context_push_every:
             return
         try:
             for seq in self.running:
@@ -196,7 +204,7 @@ class SpecEngine(Engine):
         step = self._build(admitted, decoding, block_tokens, lens)
         num_acc, out_tokens = self._verify(step, block)
         events = self._commit(step, num_acc, out_tokens, block)
-        self._push_context()
+        self._push_context(drafted=block is not None)
         self.last_report.draft_seconds, self.last_report.drafted = draft_seconds, block is not None
         self.last_report.seconds = time.perf_counter() - t0
         return events
