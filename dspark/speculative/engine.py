@@ -230,18 +230,13 @@ class SpecEngine(Engine):
             # with the same uniforms (one per request, inverse CDF of p), minus the verification's tensors
             return [0] * len(step.seqs), [[t] for t in sample_rows(step.out.logits, step.seqs)]
         probs = row_probs(step.out.logits, step.seqs, [n + 1 for n in lens])
-        if block is not None and sum(lens):
-            spec_rows = [(i, j) for i, n in enumerate(lens[step.num_admitted:]) for j in range(n)]
-            # A remote drafter's block arrives on the host (the wire); an in-process one is already here.
-            idx_r = host_values([r for r, _ in spec_rows], torch.long, block.tokens.device)
-            idx_j = host_values([j for _, j in spec_rows], torch.long, block.tokens.device)
-            draft_tokens = block.tokens[idx_r, idx_j].to(device, non_blocking=True)
-            support_ids = block.support_ids[idx_r, idx_j].to(device, non_blocking=True)
-            support_probs = block.support_probs[idx_r, idx_j].to(device, non_blocking=True)
-        else:
-            draft_tokens = torch.empty(0, dtype=torch.long, device=device)
-            support_ids = torch.empty(0, 1, dtype=torch.long, device=device)
-            support_probs = torch.empty(0, 1, device=device)
+        # Drafts verified means a block: a remote drafter's arrives on the host (the wire), a local one's is here.
+        spec_rows = [(i, j) for i, n in enumerate(lens[step.num_admitted:]) for j in range(n)]
+        idx_r = host_values([r for r, _ in spec_rows], torch.long, block.tokens.device)
+        idx_j = host_values([j for _, j in spec_rows], torch.long, block.tokens.device)
+        draft_tokens = block.tokens[idx_r, idx_j].to(device, non_blocking=True)
+        support_ids = block.support_ids[idx_r, idx_j].to(device, non_blocking=True)
+        support_probs = block.support_probs[idx_r, idx_j].to(device, non_blocking=True)
         u_acc, u_res = draw_uniforms(lens, [s.generator for s in step.seqs], device)
         num_acc, out_tokens = rejection_sample_auto(probs, draft_tokens, support_ids, support_probs,
                                                     host_values(lens, torch.long, device), u_acc, u_res)
