@@ -130,6 +130,15 @@ def test_init_starts_from_a_saved_drafter_and_refuses_other_shapes(target, data_
     warm = train(config("dspark", steps=1), data_dir, tmp_path / "warm", target=target, show_progress=False,
                  init=first["drafter_dir"])
     assert warm["final"]["loss"] < 0.97 * fresh["final"]["loss"]
+    # Grown data ranks other tokens into the draft vocabulary: a warm start keeps the one its rows were trained on.
+    grown = build_tiny_dataset(target, tmp_path / "grown", CTX_LAYERS, num_sequences=6, prompt_len=5,
+                               response_len=20, temperature=1.5, seed=7)
+    assert not torch.equal(choose_draft_vocab(CachedDataset(grown).token_counts(target.config.vocab_size), 48),
+                           load_file(f"{first['drafter_dir']}/model.safetensors")["draft_vocab"])
+    regrown = train(config("dspark", steps=1), grown, tmp_path / "regrown", target=target, show_progress=False,
+                    init=first["drafter_dir"])
+    assert torch.equal(load_file(f"{regrown['drafter_dir']}/model.safetensors")["draft_vocab"],
+                       load_file(f"{first['drafter_dir']}/model.safetensors")["draft_vocab"])
     other = config("dspark", steps=1)
     other["drafter"]["markov_rank"] = 8
     with pytest.raises(ValueError, match="do not match"):

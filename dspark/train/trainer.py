@@ -188,8 +188,6 @@ def warm_start(drafter, directory: str | Path) -> None:
                         if k not in own or k not in state or own[k].shape != state[k].shape)
     if mismatched:
         raise ValueError(f"--init {directory}: weights do not match this config: {', '.join(mismatched[:5])}")
-    if not torch.equal(state["draft_vocab"], own["draft_vocab"].cpu()):
-        raise ValueError(f"--init {directory}: draft vocabulary differs from this dataset's")
     drafter.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
 
 
@@ -290,8 +288,11 @@ def train(config: str | Path | dict, data_dir: str | Path | None, out_dir: str |
     drafter_fields.setdefault("target", data.meta["target"])
     drafter_fields.setdefault("version", f"{kind}-{t.steps}")
     dcfg = DrafterConfig.for_target(target_cfg, kind, data.ctx_layers, **drafter_fields)
-    draft_vocab = choose_draft_vocab(data.token_counts(dcfg.vocab_size), dcfg.draft_vocab_size) \
-        if dcfg.draft_vocab_size else None
+    draft_vocab = None
+    if init is not None and dcfg.draft_vocab_size:  # a warm start keeps the rows its weights were trained for
+        draft_vocab = load_file(str(Path(init) / "model.safetensors"))["draft_vocab"]
+    elif dcfg.draft_vocab_size:
+        draft_vocab = choose_draft_vocab(data.token_counts(dcfg.vocab_size), dcfg.draft_vocab_size)
     torch.manual_seed(t.seed)
     drafter = build_drafter(dcfg, embed, lm_head, draft_vocab).to(device).train()
     (out / "config.json").write_text(json.dumps({**cfg, "drafter": dcfg.to_dict(), "train": t.to_dict()}, indent=2)
