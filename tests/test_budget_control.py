@@ -182,8 +182,10 @@ def test_budget_zero_skips_the_drafter_but_probes_and_expires():
     policy, source = control.policy, control.source
     assert policy.should_draft(3)  # no decision yet: the default draft length drafts
     control.apply(decision(0))
-    probes = [i + 1 for i in range(60) if policy.should_draft(3)]
+    decisions = [(policy.should_draft(3), policy.probing) for _ in range(60)]
+    probes = [i + 1 for i, (draft, _) in enumerate(decisions) if draft]
     assert probes == [4, 12, 28, 44, 60]  # after 4 skipped steps, then 8, then 16 (4 x 4) at most
+    assert all(probing == draft for draft, probing in decisions)  # each one only a probe: none verified
     assert policy.budget_in_force == 0
     # The scheduler goes silent: skipped steps count towards its budget's expiry like drafted ones.
     control.apply(decision(0))  # a fresh budget of 0 ...

@@ -106,7 +106,7 @@ class _CountingRemote:
         self.pushes.append(self.steps)
 
 
-@pytest.mark.parametrize("every", [1, 4])
+@pytest.mark.parametrize("every", [0, 1, 4])
 def test_while_no_draft_is_asked_for_the_context_goes_every_nth_step(every):
     """--context-push-every: a verifier that skips the drafter pushes only every N-th step, one
     that drafts pushes after every step, and what the requests decode does not change."""
@@ -130,8 +130,92 @@ def test_while_no_draft_is_asked_for_the_context_goes_every_nth_step(every):
         expected, skipped = [], 0  # a step that drafted pushes; otherwise every N-th step in a row
         for step, did in enumerate(drafted, 1):
             skipped = 0 if did else skipped + 1
-            if skipped % every == 0:
+            if skipped == 0 or (every and skipped % every == 0):
                 expected.append(step)
         assert drafter.pushes == expected, (draft_len, drafted, drafter.pushes)
         assert any(drafted) == (draft_len > 0)
-        assert len(expected) >= (len(drafted) // every if draft_len == 0 else len(drafted) - 2)
+        assert len(expected) >= ((len(drafted) // every if every else 0) if draft_len == 0 else len(drafted) - 2)
+
+
+def _wait_probe(remote, timeout_s: float = 30.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        answer = remote.probe_result()
+        if answer is not None:
+            return answer
+        time.sleep(0.005)
+    raise AssertionError("the probe was never answered")
+
+
+def test_a_probe_returns_at_once_and_its_confidences_are_a_drafts(drafter_service, monkeypatch):
+    """probe() sends the unsent context with the anchors and does not wait; probe_result() later
+    gives the confidences the same context drafts locally; one probe in flight at a time."""
+    path, address = drafter_service
+    monkeypatch.setenv("DSPARK_INTERNAL_TOKEN", TOKEN)
+    config.reset_peer_settings()
+    local, _ = load(parse_args([f"--target-model={path}", "--gamma=4", "--num-layers=1"]))
+    remote = RemoteDrafter(address, timeout_s=30)
+    assert remote.connect(60)
+    try:
+        sent = []
+        remote._link.requests = _Recording(remote._link.requests, sent)
+        width = len(local.ctx_layers) * local.cfg.hidden_size
+        g = torch.Generator().manual_seed(1)
+        feats = torch.randn(9, width, generator=g).bfloat16().float()
+        toks = torch.randint(0, local.cfg.vocab_size, (9,), generator=g)
+        anchor, zero = torch.tensor([11]), torch.zeros(1)
+        remote.extend_context("r", feats, toks)
+        assert remote.probe(["r"], anchor, zero) and remote.probe(["r"], anchor, zero)
+        assert len(sent) == 1 and not sent[0].context_only and sent[0].sequences[0].context_len == 0
+        assert remote.context_len("r") == 9 and not remote._pending  # sent, as a push leaves it
+        req_ids, conf = _wait_probe(remote)
+        local.extend_context("r", feats, toks)
+        expected = local.draft(["r"], anchor, zero, [None]).conf_logits
+        assert req_ids == ["r"] and torch.allclose(conf, expected, atol=1e-4)
+        assert remote.probe_result() is None  # taken once
+        block = remote.draft(["r"], anchor, zero, [None])  # the probe left the context in place
+        assert sent[-1].sequences[0].context_len == 9 and not sent[-1].sequences[0].tokens
+        assert torch.allclose(block.conf_logits, expected, atol=1e-4)
+    finally:
+        remote.close()
+
+
+def test_a_verifier_whose_budget_is_zero_probes_in_the_background(drafter_service, monkeypatch):
+    """Budget 0 from the scheduler: no step waits for a draft, probes still go out, their
+    confidences reach the step reports as unverified drafts, and the text is the target's."""
+    import time
+
+    from dspark.models.loader import load_model
+    from dspark.sched.budget_source import ScheduledBudget
+    from dspark.speculative.engine import SpecEngine
+    from dspark.speculative.policy import ConfidencePolicy
+    from spec_helpers import greedy_reference
+
+    path, address = drafter_service
+    monkeypatch.setenv("DSPARK_INTERNAL_TOKEN", TOKEN)
+    config.reset_peer_settings()
+    target = load_model(str(path)).model
+    remote = RemoteDrafter(address, timeout_s=30)
+    assert remote.connect(60)
+    try:
+        source = ScheduledBudget(default_draft_len=3)
+        source.push(0)
+        engine = SpecEngine(target, remote, ConfidencePolicy(source, probe_every=2), max_batch=2, max_len=128)
+        prompts = [[5, 9, 11, 3], [7, 2, 8]]
+        seqs = [engine.add(p, SamplingParams(max_tokens=32)) for p in prompts]
+        reports = []
+        while engine.has_work():
+            engine.step()
+            reports.append(engine.last_report)
+            time.sleep(0.005)  # a step of this tiny target is shorter than a round trip
+        assert [s.output for s in seqs] == greedy_reference(target, prompts, 32)
+        assert not any(r.drafted for r in reports)
+        probed = [r for r in reports if r.req_ids]
+        assert probed, "no probe answer reached a step report"
+        for r in probed:
+            assert r.verified == [0] * len(r.req_ids) and r.accepted == r.verified
+            assert r.conf_logits.shape == (len(r.req_ids), remote.gamma) and torch.isfinite(r.conf_logits).all()
+    finally:
+        remote.close()

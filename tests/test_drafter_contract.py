@@ -17,7 +17,7 @@ MEMBERS = [name for name in vars(DrafterContract) if not name.startswith("_")]
 
 def test_the_contract_names_what_the_loop_uses():
     assert set(MEMBERS) == {"gamma", "ctx_layers", "kind", "version", "remote", "context_len", "extend_context",
-                            "rollback", "release", "push", "draft"}
+                            "rollback", "release", "push", "probe", "probe_result", "draft"}
 
 
 @pytest.mark.parametrize("cls", [DSparkDrafter, DFlashDrafter, Eagle3Drafter, RemoteDrafter])

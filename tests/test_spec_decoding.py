@@ -182,6 +182,10 @@ def test_confidence_policy_is_lossless_and_adapts_its_budget_to_the_target_cost(
     assert costly.budget(2) == 4  # no confidences yet: the default per request
     costly.observe(np.full((2, 4), 0.5))
     assert costly.budget(2) == 0 and not ConfidencePolicy(costly).should_draft(2)
+    # A probe answered in the background (a remote drafter) counts as a drafted step's confidences.
+    flat = TwoStepBudget(lambda b: 10.0, default_draft_len=2)
+    ConfidencePolicy(flat).observe_probe(torch.full((2, 4), 6.0))  # sure drafts on a flat SPS: all of them
+    assert flat.next_budget(2) == 8
     free = TwoStepBudget(lambda b: 10.0, default_draft_len=2, draft_cost=lambda r: 0.01)
     free.observe(np.full((2, 4), 0.5))
     assert free.budget(2) > 0 and ConfidencePolicy(free).should_draft(2)

@@ -55,11 +55,11 @@ def parse_args(argv=None):
     ap.add_argument("--draft-probe-every", type=int, env="DSPARK_DRAFT_PROBE_EVERY", default=16,
                     help="while the scheduler's budget is 0 the drafter is skipped but for every N-th step, whose "
                          "confidences tell when drafting pays again (1 = draft every step)")
-    ap.add_argument("--context-push-every", type=int, env="DSPARK_CONTEXT_PUSH_EVERY", default=8,
-                    help="while no draft is asked for, push the drafter its new context every N-th step (the rest "
-                         "rides with the next push or draft, one round trip either way); 1 = every step. Each "
-                         "push costs the verifier's threads: every step cost 13-22%% of plain decoding's "
-                         "tokens/s at c = 8-32 on a 2-core host (docs/results.md)")
+    ap.add_argument("--context-push-every", type=int, env="DSPARK_CONTEXT_PUSH_EVERY", default=0,
+                    help="while no draft is asked for, push the drafter its new context every N-th step; 0 = "
+                         "never (the background probes carry it, and the first draft after them the rest). "
+                         "Each push costs the verifier's threads: every 8th step cost 13%% of plain decoding's "
+                         "tokens/s at c = 16 on a 2-core host (docs/results.md)")
     ap.add_argument("--budget-ttl-steps", type=int, env="DSPARK_BUDGET_TTL_STEPS", default=100,
                     help="the scheduler's last budget stays in force this many steps without a fresh one ...")
     ap.add_argument("--budget-ttl-s", type=float, env="DSPARK_BUDGET_TTL_S", default=5,
@@ -76,8 +76,8 @@ def parse_args(argv=None):
     ap.add_argument("--drafter-wait-s", type=float, env="DSPARK_DRAFTER_WAIT_S", default=120,
                     help="at startup, how long to wait for the drafter before serving without one")
     args = ap.parse_args(argv)
-    if args.context_push_every < 1:
-        ap.error(f"--context-push-every must be >= 1, got {args.context_push_every}")
+    if args.context_push_every < 0:
+        ap.error(f"--context-push-every must be >= 0, got {args.context_push_every}")
     args.verifier_id = args.verifier_id or f"{socket.gethostname()}-{args.port}"
     args.advertise_addr = args.advertise_addr or f"{env('POD_IP', '127.0.0.1')}:{args.port}"
     return args

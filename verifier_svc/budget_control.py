@@ -115,7 +115,7 @@ class BudgetControl:
             self.sps.observe(report.batch_tokens, report.seconds - drafting)
             if report.drafted:
                 self.draft_cost.observe(report.batch_size, report.draft_seconds)
-            elif report.req_ids == [] and self.drafter is not None and report.batch_size:
+            elif self.drafter is not None and report.batch_size:
                 metrics.DRAFT_SKIPPED_STEPS.inc()
         for n in report.verified:
             metrics.VERIFIED_PER_REQUEST.observe(n)

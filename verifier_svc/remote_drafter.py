@@ -3,7 +3,8 @@
 extend_context / rollback / release only buffer per-request updates; push() sends the new
 positions without waiting (a context-only request, after every step, drafting or not), and
 draft() sends what is left in one DraftRequest with the anchors and waits (up to a deadline)
-for the blocks. Any failure
+for the blocks; probe() sends a DraftRequest whose answer (only its confidences count) is taken
+by probe_result() at a later step, so the target never waits for it. Any failure
 raises DrafterUnavailable, so that step runs as plain decoding, and a background thread
 reconnects; context_len then reports 0 so SpecEngine resends whole contexts. All calls but
 close() come from the one engine thread.
@@ -84,6 +85,8 @@ class RemoteDrafter:
         self._step = 0
         self.last_bytes = 0  # both directions, last draft() call
         self.trace_context = None  # req_id -> {"traceparent": ...} of its step span (tracing on)
+        self._probe: tuple[int, list[str], float] | None = None  # (step, req_ids, sent at) in flight
+        self._probe_answer: tuple[list[str], torch.Tensor] | None = None
 
     @property
     def remote(self) -> bool:
@@ -229,13 +232,9 @@ class RemoteDrafter:
             metrics.DRAFTER_LINK_BYTES.labels("to_drafter").inc(request.ByteSize())
 
     # ---- drafting --------------------------------------------------------------------------
-    def draft(self, req_ids, anchors, temperatures, generators, forced_tokens=None, return_logits=False) -> DraftBlock:
-        link = self._link
-        if link is None or not link.alive:
-            self._forget_all()
-            self._releases.clear()  # a new drafter holds none of them
-            self._sent.clear()
-            raise DrafterUnavailable(f"no drafter stream to {self.address}")
+    def _draft_request(self, req_ids, anchors, temperatures, generators) -> tuple[drafter_pb2.DraftRequest, dict]:
+        """A DraftRequest with the buffered releases and, per request, its unsent context and anchor;
+        also the context length each request will have once the drafter applies it."""
         self._step += 1
         request = drafter_pb2.DraftRequest(step=self._step)
         for req_id in sorted(self._releases):
@@ -255,6 +254,21 @@ class RemoteDrafter:
                 update.trace_context.update(self.trace_context(req_id))
             sent_len[req_id] = pending.length
             self._sent.add(req_id)
+        return request, sent_len
+
+    def _live_link(self) -> _Link:
+        link = self._link
+        if link is None or not link.alive:
+            self._forget_all()
+            self._releases.clear()  # a new drafter holds none of them
+            self._sent.clear()
+            self._probe = None
+            raise DrafterUnavailable(f"no drafter stream to {self.address}")
+        return link
+
+    def draft(self, req_ids, anchors, temperatures, generators, forced_tokens=None, return_logits=False) -> DraftBlock:
+        link = self._live_link()
+        request, sent_len = self._draft_request(req_ids, anchors, temperatures, generators)
         link.requests.put(request)
         response = self._await(link, self._step)
         self._releases.clear()
@@ -276,13 +290,77 @@ class RemoteDrafter:
                 self._forget_all()
                 raise DrafterUnavailable(f"drafter did not answer within {self.timeout_s} s") from None
             if isinstance(response, Exception):
-                self._forget_all()
-                self._releases.clear()
-                self._sent.clear()
+                self._lost(response)
                 raise response
             if response.step == step:
                 return response
-            # A late answer to a step we gave up on: skip it.
+            self._maybe_probe_answer(response)  # else a late answer to a step we gave up on: skip it
+
+    def _lost(self, error: Exception) -> None:
+        self._forget_all()
+        self._releases.clear()
+        self._sent.clear()
+        self._probe = None
+
+    # ---- probes: drafts wanted for their confidences only -----------------------------------
+    def probe(self, req_ids, anchors, temperatures) -> bool:
+        """Ask for drafts and do not wait: while the verify budget is 0 only their confidences
+        matter (they tell the scheduler when drafting would pay again), so the target keeps
+        decoding and probe_result() picks the answer up at a later step. The request carries the
+        unsent context like a push. At most one probe is in flight (one older than the draft
+        deadline is given up); True whenever it is handled here, sent or not."""
+        link = self._link
+        if link is None or not link.alive:
+            return True  # the next draft notices and resets what we know
+        if self._probe is not None and time.monotonic() - self._probe[2] < self.timeout_s:
+            return True
+        request, sent_len = self._draft_request(req_ids, anchors, temperatures, [None] * len(req_ids))
+        link.requests.put(request)
+        metrics.DRAFTER_LINK_BYTES.labels("to_drafter").inc(request.ByteSize())
+        self._releases.clear()
+        for req_id in req_ids:  # as after a push: a context it turns out not to hold shows at the next draft
+            self._known[req_id] = sent_len[req_id]
+            self._pending.pop(req_id, None)
+        self._probe = (self._step, list(req_ids), time.monotonic())
+        return True
+
+    def probe_result(self) -> tuple[list[str], torch.Tensor] | None:
+        """(req_ids, raw confidence logits [R, gamma]) of a probe answered since the last call, else
+        None. Never blocks: it takes what the stream has delivered."""
+        link = self._link
+        while link is not None and self._probe is not None and self._probe_answer is None:
+            try:
+                response = link.responses.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(response, Exception):
+                self._lost(response)
+                break
+            self._maybe_probe_answer(response)
+        answer, self._probe_answer = self._probe_answer, None
+        return answer
+
+    def _maybe_probe_answer(self, response: drafter_pb2.DraftResponse) -> None:
+        if self._probe is None or response.step != self._probe[0]:
+            return
+        _, req_ids, _ = self._probe
+        self._probe = None
+        if not self.has_confidence:
+            return
+        by_id = {s.request_id: s for s in response.sequences}
+        rows, conf = [], []
+        for req_id in req_ids:
+            seq = by_id.get(req_id)
+            if seq is None or seq.context_missing:
+                continue
+            try:
+                conf.append(tensor_from_proto(seq.confidence_logits, torch.float32, (self.gamma,)))
+            except WireError as error:
+                log.warning("ignoring a malformed probe answer: %s", error)
+                return
+            rows.append(req_id)
+        if rows:
+            self._probe_answer = (rows, torch.stack(conf))
 
     def _to_block(self, req_ids, response, sent_len) -> DraftBlock:
         by_id = {s.request_id: s for s in response.sequences}

@@ -128,6 +128,13 @@ class Drafter(nn.Module):
     def push(self) -> None:
         """Nothing to send: a local drafter's context is current as soon as it is extended."""
 
+    def probe(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor) -> bool:
+        """False: in process nothing runs beside the target, so a probe is a plain draft."""
+        return False
+
+    def probe_result(self):
+        return None
+
     def draft(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor, generators: list,
               forced_tokens: torch.Tensor | None = None, return_logits: bool = False) -> DraftBlock:
         """Batched over requests; request i's anchor sits at position context_len(req_ids[i]).

@@ -44,5 +44,11 @@ class DrafterContract(Protocol):
 
     def push(self) -> None: ...  # after each step: a remote drafter sends new positions now (local: nothing)
 
+    # Drafts wanted for their confidences only, answered in the background: True if taken (a
+    # remote drafter; at most one in flight), False if the caller must draft instead (local).
+    def probe(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor) -> bool: ...
+
+    def probe_result(self) -> tuple[list[str], torch.Tensor] | None: ...  # (req_ids, conf_logits [R, gamma]) once
+
     def draft(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor,
               generators: list) -> DraftBlock: ...

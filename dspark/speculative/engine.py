@@ -100,9 +100,9 @@ class SpecEngine(Engine):
     def __init__(self, model, drafter: DrafterContract | None = None, policy: SpeculationPolicy | None = None,
                  context_push_every: int = 1, **kw):
         """context_push_every: while no draft is asked for, a remote drafter gets its new context every
-        N-th step only (the rest goes with the next push or draft: one round trip either way)."""
+        N-th step only (0: never; the rest goes with the next probe or draft)."""
         self.drafter = drafter
-        self.context_push_every, self._steps_unpushed = max(1, context_push_every), 0
+        self.context_push_every, self._steps_unpushed = max(0, context_push_every), 0
         self.policy = policy or FixedDraftLen(drafter.gamma if drafter is not None else 0)
         super().__init__(model, capture_layers=tuple(drafter.ctx_layers) if drafter is not None else (), **kw)
         self.last_report = StepReport()
@@ -142,11 +142,11 @@ class SpecEngine(Engine):
         """Every running request's new decided positions go to a remote drafter now, drafting or not:
         it extends its contexts while the next target pass runs (RemoteDrafter.push). A local
         drafter would only do the same work sooner on this thread: it is extended when it drafts.
-        While no draft is asked for, only every context_push_every-th step pushes."""
+        While no draft is asked for, only every context_push_every-th step pushes (0: none)."""
         if self.drafter is None or not self.drafter.remote:
             return
         self._steps_unpushed = 0 if drafted else self._steps_unpushed + 1
-        if self._steps_unpushed % self.context_push_every:
+        if self._steps_unpushed and (not self.context_push_every or self._steps_unpushed % self.context_push_every):
             return
         try:
             for seq in self.running:
@@ -167,10 +167,14 @@ class SpecEngine(Engine):
         fixed = self.policy.default_draft_len
         if not self.policy.should_draft(len(seqs)) and not (fixed and any(seeded)):
             return None, [0] * len(seqs)
+        device = self.model.device
         try:
             for s in seqs:
                 self._sync_drafter(s)
-            device = self.model.device
+            if self.policy.probing and not any(seeded) and self.drafter.probe(
+                    [s.req_id for s in seqs], host_values([s.tokens[-1] for s in seqs], torch.long, device),
+                    host_values([s.params.temperature for s in seqs], torch.float32, device)):
+                return None, [0] * len(seqs)  # answered in the background: this step decodes plainly
             block = self.drafter.draft(
                 [s.req_id for s in seqs], host_values([s.tokens[-1] for s in seqs], torch.long, device),
                 host_values([s.params.temperature for s in seqs], torch.float32, device),
@@ -182,6 +186,19 @@ class SpecEngine(Engine):
             if seeded[i]:
                 lens[i] = min(caps[i], fixed)
         return block, lens
+
+    def _take_probe(self, report: StepReport) -> None:
+        """A background probe's confidences, once answered, go to the policy and, as drafts none of
+        which was verified, into this step's report (the scheduler's budget comes from them)."""
+        if self.drafter is None or not self.drafter.remote:
+            return
+        answer = self.drafter.probe_result()
+        if answer is None or report.req_ids:  # a step that drafted has newer confidences of its own
+            return
+        req_ids, conf_logits = answer
+        self.policy.observe_probe(conf_logits)
+        report.req_ids, report.conf_logits = list(req_ids), conf_logits
+        report.verified, report.accepted = [0] * len(req_ids), [0] * len(req_ids)
 
     def _draft_len(self, seq: Sequence) -> int:
         """Most drafts this request may verify this step: its draft_len, the block size, room left."""
@@ -204,6 +221,7 @@ class SpecEngine(Engine):
         step = self._build(admitted, decoding, block_tokens, lens)
         num_acc, out_tokens = self._verify(step, block)
         events = self._commit(step, num_acc, out_tokens, block)
+        self._take_probe(self.last_report)
         self._push_context(drafted=block is not None)
         self.last_report.draft_seconds, self.last_report.drafted = draft_seconds, block is not None
         self.last_report.seconds = time.perf_counter() - t0

@@ -23,17 +23,26 @@ class SpeculationPolicy(Protocol):
     default_draft_len: int  # what a seeded sampled request verifies: its replay may not depend on others
     budget_in_force: int  # draft tokens the last decision let the whole batch verify (metrics, load)
 
+    probing: bool  # the last should_draft said yes only to refresh confidences (none will be verified)
+
     def should_draft(self, num_requests: int) -> bool: ...
+
+    def observe_probe(self, conf_logits) -> None: ...
 
     def lengths(self, block, draft_lens: list[int]) -> list[int]: ...
 
 
 class FixedDraftLen:
+    probing = False
+
     def __init__(self, draft_len: int):
         self.default_draft_len = self.budget_in_force = max(0, int(draft_len))
 
     def should_draft(self, num_requests: int) -> bool:
         return self.default_draft_len > 0
+
+    def observe_probe(self, conf_logits) -> None:
+        pass  # never probes
 
     def lengths(self, block, draft_lens: list[int]) -> list[int]:
         """block: the DraftBlock (unused here); draft_lens: per-request caps (override, room left)."""
@@ -49,8 +58,9 @@ class ConfidencePolicy:
     target is compute-bound): the next steps skip the drafter entirely, plain decoding, except for
     a probe after `probe_every` skipped steps, whose drafts refresh the confidences the budget is
     computed from. While probes keep finding 0 the gap between them doubles, up to 4 x probe_every,
-    so a steady "no" costs little; any budget > 0 resets it. The decision uses older confidences
-    only, so skipping cannot bias the output either.
+    so a steady "no" costs little; any budget > 0 resets it. A remote drafter answers a probe in
+    the background (`probing`; the answer comes back through `observe_probe`), so a probe costs the
+    target nothing. The decision uses older confidences only, so skipping cannot bias the output.
     """
 
     def __init__(self, source, temperatures=None, explore: float = 0.0, seed: int = 0, probe_every: int = 16):
@@ -65,6 +75,7 @@ class ConfidencePolicy:
         self.skipped = 0  # steps skipped since the last draft
         self.probe_interval = probe_every  # skipped steps before the next probe
         self.budget_in_force = source.default_draft_len
+        self.probing = False
 
     @property
     def default_draft_len(self) -> int:
@@ -75,16 +86,22 @@ class ConfidencePolicy:
 
     def should_draft(self, num_requests: int) -> bool:
         self.source.tick()
+        self.probing = False
         if self.probe_every == 1 or self.source.next_budget(num_requests) > 0:
             self.skipped, self.probe_interval = 0, self.probe_every
             return True
         self.skipped += 1
+        self.budget_in_force = 0
         if self.skipped < self.probe_interval:
-            self.budget_in_force = 0
             return False
         self.skipped = 0  # a probe; should it find 0 again, the next one waits longer
         self.probe_interval = min(2 * self.probe_interval, 4 * self.probe_every)
+        self.probing = True
         return True
+
+    def observe_probe(self, conf_logits) -> None:
+        """Confidences of a probe answered in the background: the newest the budget can use."""
+        self.source.observe(calibrated_survival(conf_logits, self.temperatures))
 
     def lengths(self, block, draft_lens: list[int]) -> list[int]:
         if block is None or block.conf_logits is None:  # no confidences: a fixed length
