@@ -259,10 +259,7 @@ class RemoteDrafter:
     def _live_link(self) -> _Link:
         link = self._link
         if link is None or not link.alive:
-            self._forget_all()
-            self._releases.clear()  # a new drafter holds none of them
-            self._sent.clear()
-            self._probe = None
+            self._lost()
             raise DrafterUnavailable(f"no drafter stream to {self.address}")
         return link
 
@@ -290,13 +287,14 @@ class RemoteDrafter:
                 self._forget_all()
                 raise DrafterUnavailable(f"drafter did not answer within {self.timeout_s} s") from None
             if isinstance(response, Exception):
-                self._lost(response)
+                self._lost()
                 raise response
             if response.step == step:
                 return response
             self._maybe_probe_answer(response)  # else a late answer to a step we gave up on: skip it
 
-    def _lost(self, error: Exception) -> None:
+    def _lost(self) -> None:
+        """The stream is gone: a new drafter holds none of our requests and answers no probe."""
         self._forget_all()
         self._releases.clear()
         self._sent.clear()
@@ -334,7 +332,7 @@ class RemoteDrafter:
             except queue.Empty:
                 break
             if isinstance(response, Exception):
-                self._lost(response)
+                self._lost()
                 break
             self._maybe_probe_answer(response)
         answer, self._probe_answer = self._probe_answer, None
