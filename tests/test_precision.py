@@ -139,6 +139,21 @@ def test_greedy_speculation_equals_plain_decoding_at_each_precision(precision, k
 
 
 @pytest.mark.parametrize("precision", FAST)
+def test_a_drafters_lm_head_follows_its_precision_and_its_checkpoint_does_not_change(precision):
+    """The draft LM head is a frozen buffer, not an nn.Linear: apply_precision still puts it on the
+    precision's kernels (its logits then differ from fp32's by that precision's rounding only),
+    off the module tree: nothing of it lands in a state dict."""
+    drafter = random_drafter(tiny_target(), "dspark")
+    hidden = torch.randn(5, drafter.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    fp32 = drafter.draft_logits(hidden)
+    prec.apply_precision(drafter, precision)
+    fast = drafter.draft_logits(hidden)
+    assert type(drafter.__dict__["_draft_head"]).__name__ == {"bf16": "Bf16Linear", "int8": "Int8Linear"}[precision]
+    assert not torch.equal(fast, fp32) and torch.allclose(fast, fp32, atol=0.05 * fp32.abs().max().item())
+    assert not any("draft_head" in key for key in drafter.state_dict())
+
+
+@pytest.mark.parametrize("precision", FAST)
 def test_a_verification_pass_gives_each_row_the_bits_of_plain_decoding(precision):
     """Speculation is lossless only if verifying a block computes each row exactly as decoding it
     one token at a time would: int8 activation quantization turns last-bit differences into

@@ -216,5 +216,7 @@ def apply_precision(module: nn.Module, precision: str) -> str:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 setattr(parent, name, convert_linear(child, precision))
+        if hasattr(parent, "use_precision"):  # matmuls on weights that are not an nn.Linear
+            parent.use_precision(precision)
     log.info("matmuls on %s kernels", precision)
     return precision
