@@ -6,7 +6,8 @@ request's path, every `flush_s`:
   1. adds the deltas to the store (Redis: HINCRBY, see calibration_store.py),
   2. refits when due (`refit_reports` reports since this replica's last fit, or `refit_s`
      seconds with new reports), from the *accumulated* statistics of all replicas, once
-     position 1 has `min_samples` decided outcomes; stores temperatures + a new version,
+     position 1 has `min_samples` decided outcomes (a later position with fewer keeps the
+     drafter's shipped temperature, `priors`); stores temperatures + a new version,
   3. picks up newer fits other replicas stored.
 Replies (BudgetDecision.calibration) carry the newest fit known here; verifiers apply it when its
 version is newer than theirs. The same temperatures calibrate the survivals the two-step rule uses.
@@ -33,6 +34,7 @@ class OnlineCalibrator:
                  flush_s: float = 0.5):
         self.store = store
         self.refit_reports, self.refit_s, self.min_samples, self.flush_s = refit_reports, refit_s, min_samples, flush_s
+        self.priors: dict[str, np.ndarray] = {}  # drafter version -> its shipped STS temperatures
         self._delta: dict[str, OnlineCalibrationStats] = {}
         self._delta_reports: dict[str, int] = {}
         self._since_fit: dict[str, int] = {}  # reports this replica saw since its last refit
@@ -112,7 +114,7 @@ class OnlineCalibrator:
         if stats is None or stats.num_samples[0] < self.min_samples:
             return None  # not enough labels yet: try again as soon as more reports come
         self._last_fit_at[version] = time.monotonic()
-        temperatures = await asyncio.to_thread(stats.fit)
+        temperatures = await asyncio.to_thread(stats.fit, min_samples=self.min_samples, prior=self.priors.get(version))
         fit = Fit(0, temperatures, stats.num_samples, position_ece(stats, temperatures), time.time())
         if not await self.store.save_fit(version, fit):
             return None  # another replica stored a fit of newer data: tick() picks it up

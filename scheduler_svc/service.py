@@ -200,6 +200,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.planner = planner or BudgetPlanner()
         self.calibrator = calibrator
         self.priors: dict[str, np.ndarray] = {}  # drafter version -> its shipped STS temperatures
+        if calibrator is not None:
+            calibrator.priors = self.priors  # positions with too few live outcomes keep these
 
     def _decision(self, verifier_id: str, drafter_version: str = "") -> load_pb2.BudgetDecision:
         """The verify budget by the two-step rule once this verifier reported confidences

@@ -123,6 +123,23 @@ def test_positions_without_data_keep_unit_temperature():
     np.testing.assert_array_equal(stats.num_samples, [2, 0])
 
 
+def test_positions_with_too_few_outcomes_keep_their_prior(traffic):
+    """A position reached fewer than min_samples times keeps the shipped temperature (or 1); one
+    with enough is fitted as before."""
+    logits, accepted_len, verified_len = traffic
+    stats = OnlineCalibrationStats(logits.shape[1])
+    stats.add(logits, accepted_len, verified_len)
+    counts, full = stats.num_samples, stats.fit()
+    floor = int(np.sort(counts)[len(counts) // 2]) + 1  # about half the positions fall short
+    short = counts < floor
+    assert short.any() and (~short).any()
+    prior = np.linspace(0.5, 2.0, logits.shape[1])
+    gated = stats.fit(min_samples=floor, prior=prior)
+    np.testing.assert_array_equal(gated[short], prior[short])
+    np.testing.assert_array_equal(gated[~short], full[~short])
+    np.testing.assert_array_equal(stats.fit(min_samples=floor)[short], 1.0)
+
+
 def test_online_refit_lands_close_to_offline_fit(traffic, offline_temperatures):
     logits, accepted_len, verified_len = traffic
     # Two scheduler replicas each see half the traffic, in chunks; their stats are merged.
