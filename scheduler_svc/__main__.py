@@ -55,7 +55,8 @@ def parse_args(argv=None):
     ap.add_argument("--calibration-refit-s", type=float, env="DSPARK_CALIBRATION_REFIT_S", default=30,
                     help="... or after this many seconds with new reports, whichever comes first")
     ap.add_argument("--calibration-min-samples", type=int, env="DSPARK_CALIBRATION_MIN_SAMPLES", default=200,
-                    help="decided outcomes at block position 1 needed before the first fit")
+                    help="decided outcomes at block position 1 needed before the first fit; a later "
+                         "position with fewer keeps the drafter's shipped temperature")
     return ap.parse_args(argv)
 
 
