@@ -62,34 +62,44 @@ def drafter_service(tmp_path_factory):
         service.terminate(30)
 
 
-def test_pushed_contexts_draft_what_the_same_context_drafts_locally(drafter_service, monkeypatch):
-    path, address = drafter_service
+@pytest.fixture
+def remote(drafter_service, monkeypatch):
+    """A verifier's RemoteDrafter connected to the service; `remote.sent` records what it sends."""
     monkeypatch.setenv("DSPARK_INTERNAL_TOKEN", TOKEN)  # the internal plane's credential, as a verifier has it
     config.reset_peer_settings()
-    local, _ = load(parse_args([f"--target-model={path}", "--gamma=4", "--num-layers=1"]))  # the service's weights
-    remote = RemoteDrafter(address, timeout_s=30)
-    assert remote.connect(60)
+    drafter = RemoteDrafter(drafter_service[1], timeout_s=30)
+    assert drafter.connect(60)
+    drafter.sent = []
+    drafter._link.requests = _Recording(drafter._link.requests, drafter.sent)
     try:
-        sent = []
-        remote._link.requests = _Recording(remote._link.requests, sent)
-        width = len(local.ctx_layers) * local.cfg.hidden_size
-        g = torch.Generator().manual_seed(0)
-        feats = torch.randn(12, width, generator=g).bfloat16().float()
-        toks = torch.randint(0, local.cfg.vocab_size, (12,), generator=g)
-        remote.extend_context("r", feats[:7], toks[:7])
-        remote.push()
-        remote.rollback("r", 5)  # two rejected positions, then the accepted ones: as a step leaves it
-        remote.extend_context("r", feats[5:], toks[5:])
-        remote.push()
-        assert remote.context_len("r") == 12 and not remote._pending
-        anchor, zero = torch.tensor([17]), torch.zeros(1)
-        block = remote.draft(["r"], anchor, zero, [None])
-        assert [(r.context_only, [(u.context_len, len(u.tokens)) for u in r.sequences]) for r in sent] == [
-            (True, [(0, 7)]), (True, [(5, 7)]), (False, [(12, 0)])]  # the draft carried no context rows
-        local.extend_context("r", feats, toks)
-        assert torch.equal(block.tokens, local.draft(["r"], anchor, zero, [None]).tokens)
+        yield drafter
     finally:
-        remote.close()
+        drafter.close()
+
+
+def _service_weights(path):
+    """The drafter the service runs, loaded here as a local one."""
+    return load(parse_args([f"--target-model={path}", "--gamma=4", "--num-layers=1"]))[0]
+
+
+def test_pushed_contexts_draft_what_the_same_context_drafts_locally(drafter_service, remote):
+    local, sent = _service_weights(drafter_service[0]), remote.sent
+    width = len(local.ctx_layers) * local.cfg.hidden_size
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(12, width, generator=g).bfloat16().float()
+    toks = torch.randint(0, local.cfg.vocab_size, (12,), generator=g)
+    remote.extend_context("r", feats[:7], toks[:7])
+    remote.push()
+    remote.rollback("r", 5)  # two rejected positions, then the accepted ones: as a step leaves it
+    remote.extend_context("r", feats[5:], toks[5:])
+    remote.push()
+    assert remote.context_len("r") == 12 and not remote._pending
+    anchor, zero = torch.tensor([17]), torch.zeros(1)
+    block = remote.draft(["r"], anchor, zero, [None])
+    assert [(r.context_only, [(u.context_len, len(u.tokens)) for u in r.sequences]) for r in sent] == [
+        (True, [(0, 7)]), (True, [(5, 7)]), (False, [(12, 0)])]  # the draft carried no context rows
+    local.extend_context("r", feats, toks)
+    assert torch.equal(block.tokens, local.draft(["r"], anchor, zero, [None]).tokens)
 
 
 class _CountingRemote:
@@ -149,40 +159,30 @@ def _wait_probe(remote, timeout_s: float = 30.0):
     raise AssertionError("the probe was never answered")
 
 
-def test_a_probe_returns_at_once_and_its_confidences_are_a_drafts(drafter_service, monkeypatch):
+def test_a_probe_returns_at_once_and_its_confidences_are_a_drafts(drafter_service, remote):
     """probe() sends the unsent context with the anchors and does not wait; probe_result() later
     gives the confidences the same context drafts locally; one probe in flight at a time."""
-    path, address = drafter_service
-    monkeypatch.setenv("DSPARK_INTERNAL_TOKEN", TOKEN)
-    config.reset_peer_settings()
-    local, _ = load(parse_args([f"--target-model={path}", "--gamma=4", "--num-layers=1"]))
-    remote = RemoteDrafter(address, timeout_s=30)
-    assert remote.connect(60)
-    try:
-        sent = []
-        remote._link.requests = _Recording(remote._link.requests, sent)
-        width = len(local.ctx_layers) * local.cfg.hidden_size
-        g = torch.Generator().manual_seed(1)
-        feats = torch.randn(9, width, generator=g).bfloat16().float()
-        toks = torch.randint(0, local.cfg.vocab_size, (9,), generator=g)
-        anchor, zero = torch.tensor([11]), torch.zeros(1)
-        remote.extend_context("r", feats, toks)
-        assert remote.probe(["r"], anchor, zero) and remote.probe(["r"], anchor, zero)
-        assert len(sent) == 1 and not sent[0].context_only and sent[0].sequences[0].context_len == 0
-        assert remote.context_len("r") == 9 and not remote._pending  # sent, as a push leaves it
-        req_ids, conf = _wait_probe(remote)
-        local.extend_context("r", feats, toks)
-        expected = local.draft(["r"], anchor, zero, [None]).conf_logits
-        assert req_ids == ["r"] and torch.allclose(conf, expected, atol=1e-4)
-        assert remote.probe_result() is None  # taken once
-        block = remote.draft(["r"], anchor, zero, [None])  # the probe left the context in place
-        assert sent[-1].sequences[0].context_len == 9 and not sent[-1].sequences[0].tokens
-        assert torch.allclose(block.conf_logits, expected, atol=1e-4)
-    finally:
-        remote.close()
+    local, sent = _service_weights(drafter_service[0]), remote.sent
+    width = len(local.ctx_layers) * local.cfg.hidden_size
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(9, width, generator=g).bfloat16().float()
+    toks = torch.randint(0, local.cfg.vocab_size, (9,), generator=g)
+    anchor, zero = torch.tensor([11]), torch.zeros(1)
+    remote.extend_context("r", feats, toks)
+    assert remote.probe(["r"], anchor, zero) and remote.probe(["r"], anchor, zero)
+    assert len(sent) == 1 and not sent[0].context_only and sent[0].sequences[0].context_len == 0
+    assert remote.context_len("r") == 9 and not remote._pending  # sent, as a push leaves it
+    req_ids, conf = _wait_probe(remote)
+    local.extend_context("r", feats, toks)
+    expected = local.draft(["r"], anchor, zero, [None]).conf_logits
+    assert req_ids == ["r"] and torch.allclose(conf, expected, atol=1e-4)
+    assert remote.probe_result() is None  # taken once
+    block = remote.draft(["r"], anchor, zero, [None])  # the probe left the context in place
+    assert sent[-1].sequences[0].context_len == 9 and not sent[-1].sequences[0].tokens
+    assert torch.allclose(block.conf_logits, expected, atol=1e-4)
 
 
-def test_a_verifier_whose_budget_is_zero_probes_in_the_background(drafter_service, monkeypatch):
+def test_a_verifier_whose_budget_is_zero_probes_in_the_background(drafter_service, remote):
     """Budget 0 from the scheduler: no step waits for a draft, probes still go out, their
     confidences reach the step reports as unverified drafts, and the text is the target's."""
     import time
@@ -193,29 +193,21 @@ def test_a_verifier_whose_budget_is_zero_probes_in_the_background(drafter_servic
     from dspark.speculative.policy import ConfidencePolicy
     from spec_helpers import greedy_reference
 
-    path, address = drafter_service
-    monkeypatch.setenv("DSPARK_INTERNAL_TOKEN", TOKEN)
-    config.reset_peer_settings()
-    target = load_model(str(path)).model
-    remote = RemoteDrafter(address, timeout_s=30)
-    assert remote.connect(60)
-    try:
-        source = ScheduledBudget(default_draft_len=3)
-        source.push(0)
-        engine = SpecEngine(target, remote, ConfidencePolicy(source, probe_every=2), max_batch=2, max_len=128)
-        prompts = [[5, 9, 11, 3], [7, 2, 8]]
-        seqs = [engine.add(p, SamplingParams(max_tokens=32)) for p in prompts]
-        reports = []
-        while engine.has_work():
-            engine.step()
-            reports.append(engine.last_report)
-            time.sleep(0.005)  # a step of this tiny target is shorter than a round trip
-        assert [s.output for s in seqs] == greedy_reference(target, prompts, 32)
-        assert not any(r.drafted for r in reports)
-        probed = [r for r in reports if r.req_ids]
-        assert probed, "no probe answer reached a step report"
-        for r in probed:
-            assert r.verified == [0] * len(r.req_ids) and r.accepted == r.verified
-            assert r.conf_logits.shape == (len(r.req_ids), remote.gamma) and torch.isfinite(r.conf_logits).all()
-    finally:
-        remote.close()
+    target = load_model(str(drafter_service[0])).model
+    source = ScheduledBudget(default_draft_len=3)
+    source.push(0)
+    engine = SpecEngine(target, remote, ConfidencePolicy(source, probe_every=2), max_batch=2, max_len=128)
+    prompts = [[5, 9, 11, 3], [7, 2, 8]]
+    seqs = [engine.add(p, SamplingParams(max_tokens=32)) for p in prompts]
+    reports = []
+    while engine.has_work():
+        engine.step()
+        reports.append(engine.last_report)
+        time.sleep(0.005)  # a step of this tiny target is shorter than a round trip
+    assert [s.output for s in seqs] == greedy_reference(target, prompts, 32)
+    assert not any(r.drafted for r in reports)
+    probed = [r for r in reports if r.req_ids]
+    assert probed, "no probe answer reached a step report"
+    for r in probed:
+        assert r.verified == [0] * len(r.req_ids) and r.accepted == r.verified
+        assert r.conf_logits.shape == (len(r.req_ids), remote.gamma) and torch.isfinite(r.conf_logits).all()

@@ -168,17 +168,15 @@ class SpecEngine(Engine):
         if not self.policy.should_draft(len(seqs)) and not (fixed and any(seeded)):
             return None, [0] * len(seqs)
         device = self.model.device
+        req_ids = [s.req_id for s in seqs]
+        anchors = host_values([s.tokens[-1] for s in seqs], torch.long, device)
+        temperatures = host_values([s.params.temperature for s in seqs], torch.float32, device)
         try:
             for s in seqs:
                 self._sync_drafter(s)
-            if self.policy.probing and not any(seeded) and self.drafter.probe(
-                    [s.req_id for s in seqs], host_values([s.tokens[-1] for s in seqs], torch.long, device),
-                    host_values([s.params.temperature for s in seqs], torch.float32, device)):
+            if self.policy.probing and not any(seeded) and self.drafter.probe(req_ids, anchors, temperatures):
                 return None, [0] * len(seqs)  # answered in the background: this step decodes plainly
-            block = self.drafter.draft(
-                [s.req_id for s in seqs], host_values([s.tokens[-1] for s in seqs], torch.long, device),
-                host_values([s.params.temperature for s in seqs], torch.float32, device),
-                [s.generator for s in seqs])
+            block = self.drafter.draft(req_ids, anchors, temperatures, [s.generator for s in seqs])
         except DrafterUnavailable:
             return None, [0] * len(seqs)
         lens = list(self.policy.lengths(block, caps))
