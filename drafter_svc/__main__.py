@@ -19,7 +19,7 @@ from dspark.drafters.checkpoint import load_calibration, load_config, load_draft
 from dspark.models.config import spread_layers
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag, apply_precision
-from dspark.models.threads import configure_threads
+from dspark.models.threads import configure_threads, share_gil_with_torch_thread
 from dspark.proto_gen.v1 import drafter_pb2_grpc
 from dspark.serving import metrics
 from dspark.serving.config import common_parser, env
@@ -115,6 +115,7 @@ def main(argv=None):
     args.device = device_or_exit(args.device, "drafter")  # refused before binding ports or loading weights
     torch.set_grad_enabled(False)
     configure_threads()
+    share_gil_with_torch_thread()
     asyncio.run(serve(args))
 
 

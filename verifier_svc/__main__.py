@@ -15,7 +15,7 @@ import socket
 from dspark.device import add_device_flag, describe, device_or_exit
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag
-from dspark.models.threads import configure_threads
+from dspark.models.threads import configure_threads, share_gil_with_torch_thread
 from dspark.proto_gen.v1 import generation_pb2_grpc, scheduler_pb2, verifier_pb2_grpc
 from dspark.serving import metrics, tracing
 from dspark.serving.config import common_parser, env
@@ -176,6 +176,7 @@ def main(argv=None):
     setup_logging(args.log_level)
     args.device = device_or_exit(args.device, "verifier")  # refused before binding ports or loading weights
     configure_threads()
+    share_gil_with_torch_thread()
     asyncio.run(serve(args))
 
 
