@@ -114,3 +114,49 @@ def test_drafter_stream_evicts_its_least_recently_used_context_past_the_limit():
     with pytest.raises(WireError, match="at most 2"):
         answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=5, sequences=[
             _update(r, 1, 0, width) for r in ("x", "y", "z")]), width, limits)
+
+
+def test_text_stream_decodes_incrementally_what_a_whole_decode_gives(smollm2):
+    """Bursts of 1-8 tokens from random ids (byte pieces that split characters included) and from
+    real text with emoji, CJK and punctuation the tokenizer cleans up: the deltas joined are the
+    whole decode at every push (bar a held-back partial character), and a stop string inside a
+    burst cuts at the same place as in the whole text."""
+    import random
+
+    tok = smollm2.tokenizer
+    rng = random.Random(0)
+    text = "Hello, world! naïve café 你好 🙂🙂 don't stop . . . it's 3.14 -- ok?\n```py\nx = 1\n```"
+    streams = [tok.encode(text * 3), [rng.randrange(tok.vocab_size) for _ in range(600)]]
+    for ids in streams:
+        stream, sent, i = TextStream(tok.decode), "", 0
+        while i < len(ids):
+            burst = ids[i:i + rng.randint(1, 8)]
+            i += len(burst)
+            delta, hit = stream.push(burst, final=i >= len(ids))
+            sent += delta
+            whole = tok.decode(ids[:i])
+            assert not hit and whole.startswith(sent)
+            assert len(whole) - len(sent) <= len(whole) - len(whole.rstrip("\ufffd"))
+        assert sent == tok.decode(ids)
+    stream = TextStream(tok.decode, stop=["café"])
+    sent, hit, i = "", False, 0
+    while not hit:  # the stream ends at a stop
+        delta, hit = stream.push(streams[0][i:i + 5])
+        sent, i = sent + delta, i + 5
+    assert sent == text[:text.index("café")] and tok.decode(stream.tokens).endswith("café")
+
+
+def test_text_stream_keeps_the_spaces_a_metaspace_decoder_strips_at_the_start():
+    """SentencePiece-style decoders drop the leading space of a sequence's first word: decoding a
+    push's tokens alone would glue the words together; its context tokens keep the space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    words = "the quick brown fox jumps over the lazy dog again and again".split()
+    tok.train_from_iterator([" ".join(words)] * 4, trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"]))
+    ids = tok.encode(" ".join(words * 2)).ids
+    stream = TextStream(tok.decode)
+    sent = "".join(stream.push(ids[i:i + 3])[0] for i in range(0, len(ids), 3)) + stream.push([], final=True)[0]
+    assert sent == " ".join(words * 2)
