@@ -154,7 +154,7 @@ def test_text_stream_keeps_the_spaces_a_metaspace_decoder_strips_at_the_start():
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    words = "the quick brown fox jumps over the lazy dog again and again".split()
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "again", "and", "again"]
     tok.train_from_iterator([" ".join(words)] * 4, trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"]))
     ids = tok.encode(" ".join(words * 2)).ids
     stream = TextStream(tok.decode)

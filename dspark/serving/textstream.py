@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-
 CONTEXT_TOKENS = 4  # tokens decoded before a push's own, so merges across the boundary come out right
 
 
