@@ -5,7 +5,9 @@ A verifier's step reports carry the raw confidence logits of its whole batch. Fo
 we keep the newest report's (by step number; replies may be processed out of order) and, when it
 comes, compute the budget with the verifier's own published SPS and draft-cost tables (seconds,
 as the verifier measured them) and the newest temperatures of its drafter version (0 tells the
-verifier to skip drafting: the drafts would not pay for it). The verifier receives the budget with
+verifier to skip drafting: the drafts would not pay for it), shifted by the verifier's live
+logit offset (dspark/sched/calibration.py LiveOffset: fitted on the outcomes its own recent
+steps decided, so the promise follows the prompts it serves now). The verifier receives the budget with
 the reply and uses it from its next step on: by then the confidences behind it are at least a
 step old (two steps with the reply in flight), never the drafts it admits, which keeps the output
 exactly the target's.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dspark.sched.calibration import LiveOffset
 from dspark.sched.sps import SpsTable
 from dspark.sched.verify_budget import verify_budget
 from dspark.serving import metrics
@@ -30,10 +33,16 @@ class BudgetPlanner:
     def __init__(self):
         self._newest: dict[str, int] = {}  # verifier id -> step of the confidences behind its budget
         self.budgets: dict[str, int] = {}
+        self.offsets: dict[str, LiveOffset] = {}
 
     def on_report(self, verifier_id: str, step: int, conf_logits: np.ndarray, temperatures, sps_points,
-                  draft_cost_points=()) -> int | None:
-        """Recompute the budget from a report newer than the last one used; returns the budget in force."""
+                  draft_cost_points=(), accepted_len=(), verified_len=()) -> int | None:
+        """Learn from the report's decided drafts, then recompute the budget from it if it is newer
+        than the last one used; returns the budget in force."""
+        offset = self.offsets.setdefault(verifier_id, LiveOffset())
+        if len(verified_len) and any(verified_len):
+            offset.observe(conf_logits, temperatures, accepted_len, verified_len)
+            metrics.LIVE_CONFIDENCE_OFFSET.labels(verifier_id).set(offset.value)
         if step <= self._newest.get(verifier_id, -1) or conf_logits.shape[0] == 0:
             return self.budgets.get(verifier_id)
         sps = seconds_table(sps_points)
@@ -42,7 +51,7 @@ class BudgetPlanner:
         self._newest[verifier_id] = step
         draft_cost = seconds_table(draft_cost_points)
         draft_seconds = draft_cost.seconds(conf_logits.shape[0]) if draft_cost is not None else 0.0
-        budget = self.budgets[verifier_id] = verify_budget(conf_logits, temperatures, sps, draft_seconds)
+        budget = self.budgets[verifier_id] = verify_budget(conf_logits, temperatures, sps, draft_seconds, offset.value)
         metrics.SCHEDULED_VERIFY_BUDGET.labels(verifier_id).set(budget)
         return budget
 
@@ -50,3 +59,4 @@ class BudgetPlanner:
         """A verifier (re)registered: its step numbers start again."""
         self._newest.pop(verifier_id, None)
         self.budgets.pop(verifier_id, None)
+        self.offsets.pop(verifier_id, None)

@@ -282,7 +282,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 self.calibrator.add(request.drafter_version, conf, request.accepted_len, request.verified_len)
             self.planner.on_report(request.verifier_id, request.step, conf,
                                    self._temperatures(request.drafter_version), known.get("sps", []),
-                                   known.get("draft_cost", []))
+                                   known.get("draft_cost", []), request.accepted_len, request.verified_len)
         return self._decision(request.verifier_id, request.drafter_version)
 
 

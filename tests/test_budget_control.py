@@ -211,3 +211,23 @@ def test_shipped_temperatures_until_the_online_fit(tmp_path):
     np.testing.assert_array_equal(policy.temperatures, shipped)
     control.apply(decision(decided=False, calibration=calibration(1, [2.0, 2.0, 2.0, 2.0])))
     np.testing.assert_array_equal(policy.temperatures, [2.0, 2.0, 2.0, 2.0])  # the online fit replaces it
+
+
+def test_planner_drafts_for_a_verifier_whose_drafts_do_better_than_promised():
+    """Confidences that under-promise (each token survives with sigmoid(z + 2)) keep the budget at
+    0 until the verifier's own outcomes move its offset; another verifier is not affected."""
+    from test_calibration import shifted_traffic
+
+    sps = [[b, 0.02] for b in range(1, 40)]  # flat: 20 ms a pass
+    cost = [[1, 0.012], [4, 0.012]]  # drafting adds 12 ms
+    z = np.full((1, GAMMA), -1.0)  # promises 0.27, 0.07, ...: not worth 12 ms
+    planner = BudgetPlanner()
+    assert planner.on_report("v", 1, z, None, sps, cost) == 0
+    traffic_z, accepted, verified = shifted_traffic(seed=6, shift=2.0, num=120)
+    for step, rows in enumerate(np.array_split(np.arange(120), 30), start=2):
+        planner.on_report("v", step, traffic_z[rows], None, sps, cost, accepted[rows], verified[rows])
+    assert planner.offsets["v"].value > 1.4
+    assert planner.on_report("v", 100, z, None, sps, cost) > 0
+    assert planner.on_report("w", 1, z, None, sps, cost) == 0
+    planner.forget("v")
+    assert "v" not in planner.offsets

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from dspark.sched.calibration import OnlineCalibrationStats, apply_sts, fit_sts, sigmoid
+from dspark.sched.calibration import LiveOffset, OnlineCalibrationStats, apply_sts, fit_sts, sigmoid
 from dspark.sched.metrics import auroc, ece, per_position_calibration, plot_reliability, prefix_survival_pairs
 
 GAMMA = 7
@@ -176,3 +176,38 @@ def test_online_stats_merge_and_serialise(traffic):
     np.testing.assert_array_equal(restored.fit(), whole.fit())
     with pytest.raises(ValueError):
         whole.merge(OnlineCalibrationStats(GAMMA, bin_width=0.125))
+
+
+def shifted_traffic(seed, shift, num=200):
+    """Blocks whose reported logits z are right but for an offset: each token survives with
+    sigmoid(z + shift) (the drafter does better, shift > 0, or worse than its confidences say)."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(0.0, 1.5, size=(num, GAMMA))
+    survives = rng.random((num, GAMMA)) < sigmoid(z + shift)
+    first_failure = np.argmin(np.concatenate([survives, np.zeros((num, 1), bool)], axis=1), axis=1)
+    verified_len = rng.integers(1, GAMMA + 1, size=num)
+    return z, np.minimum(first_failure, verified_len), verified_len
+
+
+@pytest.mark.parametrize("shift", [-1.5, 0.0, 1.5])
+def test_live_offset_learns_the_shift_of_a_verifiers_traffic(shift):
+    offset = LiveOffset()
+    z, accepted, verified = shifted_traffic(seed=3, shift=shift)
+    for rows in np.array_split(np.arange(len(z)), 50):  # step reports of 4 requests
+        offset.observe(z[rows], None, accepted[rows], verified[rows])
+    assert abs(offset.value - shift) < 0.45, offset.value
+
+
+def test_live_offset_follows_new_traffic_and_ignores_undecided_tokens():
+    offset = LiveOffset(window=256)
+    for seed, shift in ((4, 2.0), (5, -2.0)):
+        z, accepted, verified = shifted_traffic(seed, shift)
+        for rows in np.array_split(np.arange(len(z)), 50):
+            offset.observe(z[rows], None, accepted[rows], verified[rows])
+    assert offset.value < -1.3  # the window holds only the second traffic's outcomes
+    before = offset.value
+    # Nothing verified (a probe's report) and tokens after a rejection are no labels.
+    assert offset.observe(np.full((2, GAMMA), 9.0), None, [0, 0], [0, 0]) == before
+    z = np.full((1, GAMMA), 9.0)
+    after_one = LiveOffset().observe(z, None, [0], [GAMMA])  # only token 1 decided: rejected
+    assert after_one < 0 and LiveOffset().observe(z, np.full(GAMMA, 3.0), [0], [GAMMA]) < 0

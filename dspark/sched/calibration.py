@@ -25,9 +25,9 @@ def sigmoid(x):
     return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, dtype=np.float64)))
 
 
-def apply_sts(conf_logits, temperatures) -> np.ndarray:
-    """Calibrated per-token confidences c_k = sigmoid(z_k / T_k); [..., gamma] -> same shape."""
-    return sigmoid(np.asarray(conf_logits, dtype=np.float64) / np.asarray(temperatures, dtype=np.float64))
+def apply_sts(conf_logits, temperatures, offset: float = 0.0) -> np.ndarray:
+    """Calibrated per-token confidences c_k = sigmoid(z_k / T_k + b); [..., gamma] -> same shape."""
+    return sigmoid(np.asarray(conf_logits, dtype=np.float64) / np.asarray(temperatures, dtype=np.float64) + offset)
 
 
 def _best_temperature(score, grid) -> float:
@@ -60,6 +60,51 @@ def fit_sts(conf_logits, accepted_len, verified_len=None, grid=DEFAULT_TEMPERATU
                 lambda t, before=before, z=z, label=label: ece(before * sigmoid(z / t), label, bins), grid)
         survival_before = survival_before * sigmoid(logits[:, k] / temperatures[k])
     return temperatures
+
+
+def decided_outcomes(accepted_len, verified_len, gamma: int) -> tuple[np.ndarray, np.ndarray]:
+    """([N, gamma] bool, [N, gamma] bool): whether token k's own outcome was decided (tokens before
+    it accepted, k verified) and whether it survived. Labels for c_k = P(k survives | 1..k-1 did)."""
+    accepted_len = np.asarray(accepted_len).reshape(-1, 1)
+    k = np.arange(gamma)[None, :]
+    return (accepted_len >= k) & (np.asarray(verified_len).reshape(-1, 1) > k), accepted_len > k
+
+
+class LiveOffset:
+    """A logit offset b for one verifier's confidences, c_k = sigmoid(z_k / T_k + b): the maximum a
+    posteriori b for the last `window` outcomes it decided, prior N(0, prior_sd^2).
+
+    The STS temperatures are fitted on pooled traffic; how well a drafter does swings with what a
+    verifier serves right now (one gsm8k prompt: 1.67 draft tokens accepted a step where the fitted
+    survivals promised 0.5; a mix of four: 1.06 where they promised 2.3). A temperature cannot
+    move a confidence across one half; an offset fitted on this verifier's own recent outcomes
+    can, and it sees only decided tokens of earlier steps, never the drafts a budget admits.
+    """
+
+    def __init__(self, window: int = 256, prior_sd: float = 1.5):
+        self.window, self.prior_sd = window, prior_sd
+        self._z = np.empty(0)
+        self._y = np.empty(0)
+        self.value = 0.0
+
+    def observe(self, conf_logits, temperatures, accepted_len, verified_len) -> float:
+        """Add one step's decided outcomes (raw logits [R, gamma] + lengths); returns the new b."""
+        z = np.asarray(conf_logits, dtype=np.float64)
+        if temperatures is not None:
+            z = z / np.asarray(temperatures, dtype=np.float64)
+        decided, survived = decided_outcomes(accepted_len, verified_len, z.shape[1])
+        if not decided.any():
+            return self.value
+        self._z = np.concatenate([self._z, z[decided]])[-self.window:]
+        self._y = np.concatenate([self._y, survived[decided].astype(np.float64)])[-self.window:]
+        b = self.value
+        for _ in range(4):  # Newton on the log posterior: concave, one dimension
+            p = sigmoid(self._z + b)
+            grad = np.sum(self._y - p) - b / self.prior_sd ** 2
+            hess = np.sum(p * (1 - p)) + 1 / self.prior_sd ** 2
+            b += grad / hess
+        self.value = float(b)
+        return self.value
 
 
 class OnlineCalibrationStats:
@@ -104,11 +149,10 @@ class OnlineCalibrationStats:
         num_bins = self.reached.shape[1]
         bin_index = np.floor((logits + self.logit_limit) / self.bin_width).astype(np.int64)
         bin_index = np.clip(bin_index, 0, num_bins - 1)
+        decided, survived = decided_outcomes(accepted_len, verified_len, self.gamma)
         for k in range(self.gamma):
-            decided = (accepted_len >= k) & (verified_len > k)  # tokens before k accepted, k verified
-            self.reached[k] += np.bincount(bin_index[decided, k], minlength=num_bins)
-            accepted = decided & (accepted_len > k)
-            self.accepted[k] += np.bincount(bin_index[accepted, k], minlength=num_bins)
+            self.reached[k] += np.bincount(bin_index[decided[:, k], k], minlength=num_bins)
+            self.accepted[k] += np.bincount(bin_index[decided[:, k] & survived[:, k], k], minlength=num_bins)
 
     def _check_same_layout(self, other: OnlineCalibrationStats) -> None:
         if (self.gamma, self.bin_width, self.logit_limit) != (other.gamma, other.bin_width, other.logit_limit):

@@ -20,17 +20,19 @@ from dspark.sched.calibration import apply_sts, sigmoid
 from dspark.sched.prefix_scheduler import budget_from_survival, prefix_survival
 
 
-def calibrated_survival(conf_logits, temperatures=None) -> np.ndarray:
+def calibrated_survival(conf_logits, temperatures=None, offset: float = 0.0) -> np.ndarray:
     """Prefix survivals [R, gamma] from raw confidence logits, through STS temperatures
-    (T = 1 without them). A tensor, maybe on a GPU, comes to the host in one copy."""
+    (T = 1 without them) and a logit offset (LiveOffset). A tensor, maybe on a GPU, comes to
+    the host in one copy."""
     if hasattr(conf_logits, "cpu"):
         conf_logits = conf_logits.float().cpu().numpy()
     z = np.asarray(conf_logits, dtype=np.float64)
-    return prefix_survival(sigmoid(z) if temperatures is None else apply_sts(z, temperatures))
+    return prefix_survival(sigmoid(z + offset) if temperatures is None else apply_sts(z, temperatures, offset))
 
 
-def verify_budget(conf_logits, temperatures, sps, draft_seconds: float = 0.0) -> int:
+def verify_budget(conf_logits, temperatures, sps, draft_seconds: float = 0.0, offset: float = 0.0) -> int:
     """The step's budget from confidences of an earlier step. sps: callable B -> target steps
     per second (an SpsTable); draft_seconds: what drafting adds to a step for these requests
-    (0 = free). 0 means drafting does not pay: plain decoding."""
-    return budget_from_survival(calibrated_survival(conf_logits, temperatures), sps, draft_seconds)
+    (0 = free); offset: the verifier's live logit offset. 0 means drafting does not pay: plain
+    decoding."""
+    return budget_from_survival(calibrated_survival(conf_logits, temperatures, offset), sps, draft_seconds)

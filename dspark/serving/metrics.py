@@ -38,6 +38,9 @@ QUEUE_DEPTH = Gauge("dspark_queue_depth", "Requests waiting for a verifier with 
 RESUMED = Counter("dspark_resumed_requests", "Requests resumed on another verifier after losing theirs")
 SCHEDULED_VERIFY_BUDGET = Gauge("dspark_scheduled_verify_budget",
                                 "Verify budget last computed for a verifier (two-step rule)", ["verifier_id"])
+LIVE_CONFIDENCE_OFFSET = Gauge("dspark_live_confidence_offset",
+                               "Logit offset the budget adds to a verifier's calibrated confidences, "
+                               "fitted on its recent verification outcomes", ["verifier_id"])
 CALIBRATION_ECE = Gauge("dspark_calibration_ece", "Online calibration: ECE of the calibrated per-token confidence "
                         "at each block position (1-based), from the accumulated statistics", ["position"])
 CALIBRATION_VERSION = Gauge("dspark_calibration_version", "Version of the newest STS temperatures",
