@@ -35,14 +35,17 @@ class BudgetPlanner:
         self.budgets: dict[str, int] = {}
         self.offsets: dict[str, LiveOffset] = {}
 
-    def on_report(self, verifier_id: str, step: int, conf_logits: np.ndarray, temperatures, sps_points,
-                  draft_cost_points=(), accepted_len=(), verified_len=()) -> int | None:
-        """Learn from the report's decided drafts, then recompute the budget from it if it is newer
-        than the last one used; returns the budget in force."""
+    def learn(self, verifier_id: str, conf_logits: np.ndarray, temperatures, accepted_len, verified_len) -> float:
+        """Outcomes this verifier decided (verified drafts, or unverified ones checked since): its offset."""
         offset = self.offsets.setdefault(verifier_id, LiveOffset())
-        if len(verified_len) and any(verified_len):
-            offset.observe(conf_logits, temperatures, accepted_len, verified_len)
-            metrics.LIVE_CONFIDENCE_OFFSET.labels(verifier_id).set(offset.value)
+        offset.observe(conf_logits, temperatures, accepted_len, verified_len)
+        metrics.LIVE_CONFIDENCE_OFFSET.labels(verifier_id).set(offset.value)
+        return offset.value
+
+    def on_report(self, verifier_id: str, step: int, conf_logits: np.ndarray, temperatures, sps_points,
+                  draft_cost_points=()) -> int | None:
+        """Recompute the budget from a report newer than the last one used; returns the budget in force."""
+        offset = self.offsets.setdefault(verifier_id, LiveOffset())
         if step <= self._newest.get(verifier_id, -1) or conf_logits.shape[0] == 0:
             return self.budgets.get(verifier_id)
         sps = seconds_table(sps_points)

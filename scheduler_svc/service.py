@@ -273,26 +273,37 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             counts = {"steps": 1, "drafts": len(request.verified_len), "verified": sum(request.verified_len),
                       "accepted": sum(request.accepted_len)}
             self.registry.background(self.registry.store.add_outcomes(request.drafter_version or "none", counts))
-        if request.HasField("confidence_logits"):
-            try:
-                conf = step_confidences(request)
-            except WireError as error:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"confidence_logits: {error}")
-            if self.calibrator is not None and request.drafter_version and request.verified_len:
-                self.calibrator.add(request.drafter_version, conf, request.accepted_len, request.verified_len)
-            self.planner.on_report(request.verifier_id, request.step, conf,
-                                   self._temperatures(request.drafter_version), known.get("sps", []),
-                                   known.get("draft_cost", []), request.accepted_len, request.verified_len)
+        try:
+            conf = step_confidences(request.confidence_logits, request.accepted_len, request.verified_len) \
+                if request.HasField("confidence_logits") else None
+            checked = step_confidences(request.checked_confidence_logits, request.checked_accepted_len,
+                                       request.checked_verified_len) \
+                if request.HasField("checked_confidence_logits") else None
+        except WireError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"confidence logits: {error}")
+        temperatures = self._temperatures(request.drafter_version)
+        # Outcomes: this step's verified drafts, and earlier unverified ones the target has decided since.
+        for logits, accepted, verified in ((conf, request.accepted_len, request.verified_len),
+                                           (checked, request.checked_accepted_len, request.checked_verified_len)):
+            if logits is None or not any(verified):
+                continue
+            if self.calibrator is not None and request.drafter_version:
+                self.calibrator.add(request.drafter_version, logits, accepted, verified)
+            self.planner.learn(request.verifier_id, logits, temperatures, accepted, verified)
+        if conf is not None:
+            self.planner.on_report(request.verifier_id, request.step, conf, temperatures, known.get("sps", []),
+                                   known.get("draft_cost", []))
         return self._decision(request.verifier_id, request.drafter_version)
 
 
-def step_confidences(request) -> np.ndarray:
-    """StepReport.confidence_logits as float64 [R, gamma], checked against its length lists."""
-    rows = len(request.verified_len)
-    conf = tensor_from_proto(request.confidence_logits, torch.float32, (rows, None)).double().numpy()
-    if len(request.accepted_len) != rows:
-        raise WireError(f"{len(request.accepted_len)} accepted_len for {rows} verified_len")
-    if any(a > v or v > conf.shape[1] for a, v in zip(request.accepted_len, request.verified_len)):
+def step_confidences(logits, accepted_len, verified_len) -> np.ndarray:
+    """A StepReport's confidence logits (of its batch, or its checked rows) as float64 [R, gamma],
+    checked against their length lists."""
+    rows = len(verified_len)
+    conf = tensor_from_proto(logits, torch.float32, (rows, None)).double().numpy()
+    if len(accepted_len) != rows:
+        raise WireError(f"{len(accepted_len)} accepted_len for {rows} verified_len")
+    if any(a > v or v > conf.shape[1] for a, v in zip(accepted_len, verified_len)):
         raise WireError("need accepted_len <= verified_len <= gamma per row")
     if not np.all(np.isfinite(conf)):
         raise WireError("confidence logits must be finite")

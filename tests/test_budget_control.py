@@ -224,8 +224,8 @@ def test_planner_drafts_for_a_verifier_whose_drafts_do_better_than_promised():
     planner = BudgetPlanner()
     assert planner.on_report("v", 1, z, None, sps, cost) == 0
     traffic_z, accepted, verified = shifted_traffic(seed=6, shift=2.0, num=120)
-    for step, rows in enumerate(np.array_split(np.arange(120), 30), start=2):
-        planner.on_report("v", step, traffic_z[rows], None, sps, cost, accepted[rows], verified[rows])
+    for rows in np.array_split(np.arange(120), 30):
+        planner.learn("v", traffic_z[rows], None, accepted[rows], verified[rows])
     assert planner.offsets["v"].value > 1.4
     assert planner.on_report("v", 100, z, None, sps, cost) > 0
     assert planner.on_report("w", 1, z, None, sps, cost) == 0

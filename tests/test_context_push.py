@@ -161,7 +161,7 @@ def _wait_probe(remote, timeout_s: float = 30.0):
 
 def test_a_probe_returns_at_once_and_its_confidences_are_a_drafts(drafter_service, remote):
     """probe() sends the unsent context with the anchors and does not wait; probe_result() later
-    gives the confidences the same context drafts locally; one probe in flight at a time."""
+    gives the confidences and tokens the same context drafts locally; one probe in flight at a time."""
     local, sent = _service_weights(drafter_service[0]), remote.sent
     width = len(local.ctx_layers) * local.cfg.hidden_size
     g = torch.Generator().manual_seed(1)
@@ -172,10 +172,12 @@ def test_a_probe_returns_at_once_and_its_confidences_are_a_drafts(drafter_servic
     assert remote.probe(["r"], anchor, zero) and remote.probe(["r"], anchor, zero)
     assert len(sent) == 1 and not sent[0].context_only and sent[0].sequences[0].context_len == 0
     assert remote.context_len("r") == 9 and not remote._pending  # sent, as a push leaves it
-    req_ids, conf = _wait_probe(remote)
+    req_ids, conf, tokens = _wait_probe(remote)
     local.extend_context("r", feats, toks)
-    expected = local.draft(["r"], anchor, zero, [None]).conf_logits
+    local_block = local.draft(["r"], anchor, zero, [None])
+    expected = local_block.conf_logits
     assert req_ids == ["r"] and torch.allclose(conf, expected, atol=1e-4)
+    assert torch.equal(tokens, local_block.tokens)  # greedy: the tokens the target will check
     assert remote.probe_result() is None  # taken once
     block = remote.draft(["r"], anchor, zero, [None])  # the probe left the context in place
     assert sent[-1].sequences[0].context_len == 9 and not sent[-1].sequences[0].tokens
@@ -211,3 +213,9 @@ def test_a_verifier_whose_budget_is_zero_probes_in_the_background(drafter_servic
     for r in probed:
         assert r.verified == [0] * len(r.req_ids) and r.accepted == r.verified
         assert r.conf_logits.shape == (len(r.req_ids), remote.gamma) and torch.isfinite(r.conf_logits).all()
+    # Greedy: the target later decides what each probe guessed, and the outcomes come back.
+    checked = [r for r in reports if r.checked_conf is not None]
+    assert checked, "no probe was checked against the target"
+    for r in checked:
+        assert r.checked_conf.shape == (len(r.checked_verified), remote.gamma)
+        assert all(0 <= a <= v <= remote.gamma and v >= 1 for a, v in zip(r.checked_accepted, r.checked_verified))

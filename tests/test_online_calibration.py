@@ -15,6 +15,7 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+import torch
 from service_helpers import (RedisServer, free_port, internal_address, internal_channel, start_scheduler, wait_serving,
                              wait_until)
 from test_calibration import GAMMA, overconfident_traffic
@@ -234,3 +235,37 @@ def test_shipped_temperatures_are_the_prior_until_an_online_fit(schedulers):
             with pytest.raises(grpc.RpcError) as error:
                 stub.RegisterVerifier(registration("synthetic-bad-prior", bad), timeout=RPC_S)
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_checked_outcomes_move_the_verifiers_offset_and_bad_ones_are_refused(schedulers):
+    """A report whose drafts were not verified but checked afterwards (probe_check.py) teaches the
+    scheduler like verified ones: drafts that do better than promised raise that verifier's live
+    offset. A malformed checked tensor is INVALID_ARGUMENT, and the scheduler keeps serving."""
+    from test_calibration import shifted_traffic
+
+    from dspark.wire import tensor_to_proto
+
+    address, port = schedulers[0]
+    channel = internal_channel(internal_address(address))
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    try:
+        register(stub, "checked-0")
+        z, accepted, verified = shifted_traffic(seed=7, shift=2.0, num=160)
+        for step, rows in enumerate(np.array_split(np.arange(len(z)), 20)):
+            msg = report("checked-0", step, z[rows], [0] * len(rows), [0] * len(rows))  # a probe: none verified
+            msg.checked_confidence_logits.CopyFrom(tensor_to_proto(torch.tensor(z[rows], dtype=torch.float32)))
+            msg.checked_verified_len.extend(int(v) for v in verified[rows])
+            msg.checked_accepted_len.extend(int(a) for a in accepted[rows])
+            stub.ReportStep(msg, timeout=RPC_S)
+        offset = gauge(scrape(port), "dspark_live_confidence_offset", verifier_id="checked-0")
+        assert offset is not None and offset > 1.2, offset
+        bad = report("checked-0", 99, z[:2], [0, 0], [0, 0])
+        bad.checked_confidence_logits.CopyFrom(tensor_to_proto(torch.zeros(3, GAMMA)))  # 3 rows, 1 length
+        bad.checked_verified_len.append(2)
+        bad.checked_accepted_len.append(1)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ReportStep(bad, timeout=RPC_S)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert stub.ReportStep(report("checked-0", 100, z[:2], [0, 0], [1, 1]), timeout=RPC_S).decided
+    finally:
+        channel.close()

@@ -322,9 +322,9 @@ class RemoteDrafter:
         self._probe = (self._step, list(req_ids), time.monotonic())
         return True
 
-    def probe_result(self) -> tuple[list[str], torch.Tensor] | None:
-        """(req_ids, raw confidence logits [R, gamma]) of a probe answered since the last call, else
-        None. Never blocks: it takes what the stream has delivered."""
+    def probe_result(self) -> tuple[list[str], torch.Tensor, torch.Tensor] | None:
+        """(req_ids, raw confidence logits [R, gamma], draft tokens [R, gamma]) of a probe answered
+        since the last call, else None. Never blocks: it takes what the stream has delivered."""
         link = self._link
         while link is not None and self._probe is not None and self._probe_answer is None:
             try:
@@ -346,7 +346,7 @@ class RemoteDrafter:
         if not self.has_confidence:
             return
         by_id = {s.request_id: s for s in response.sequences}
-        rows, conf = [], []
+        rows, conf, tokens = [], [], []
         for req_id in req_ids:
             seq = by_id.get(req_id)
             if seq is None or seq.context_missing:
@@ -356,9 +356,13 @@ class RemoteDrafter:
             except WireError as error:
                 log.warning("ignoring a malformed probe answer: %s", error)
                 return
+            if len(seq.tokens) != self.gamma:
+                log.warning("ignoring a probe answer with %d tokens, expected %d", len(seq.tokens), self.gamma)
+                return
             rows.append(req_id)
+            tokens.append(list(seq.tokens))
         if rows:
-            self._probe_answer = (rows, torch.stack(conf))
+            self._probe_answer = (rows, torch.stack(conf), torch.tensor(tokens, dtype=torch.long))
 
     def _to_block(self, req_ids, response, sent_len) -> DraftBlock:
         by_id = {s.request_id: s for s in response.sequences}

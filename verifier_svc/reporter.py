@@ -65,6 +65,10 @@ class SchedulerReporter:
             verified_len=r.verified, accepted_len=r.accepted)
         if r.conf_logits is not None:
             msg.confidence_logits.CopyFrom(tensor_to_proto(r.conf_logits.to(torch.float32)))
+        if r.checked_conf is not None:
+            msg.checked_confidence_logits.CopyFrom(tensor_to_proto(r.checked_conf.to(torch.float32)))
+            msg.checked_verified_len.extend(r.checked_verified)
+            msg.checked_accepted_len.extend(r.checked_accepted)
         return msg
 
     async def _run(self) -> None:

@@ -48,7 +48,8 @@ class DrafterContract(Protocol):
     # remote drafter; at most one in flight), False if the caller must draft instead (local).
     def probe(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor) -> bool: ...
 
-    def probe_result(self) -> tuple[list[str], torch.Tensor] | None: ...  # (req_ids, conf_logits [R, gamma]) once
+    # (req_ids, conf_logits [R, gamma], tokens [R, gamma]) of an answered probe, once
+    def probe_result(self) -> tuple[list[str], torch.Tensor, torch.Tensor] | None: ...
 
     def draft(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor,
               generators: list) -> DraftBlock: ...

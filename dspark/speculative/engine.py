@@ -30,6 +30,7 @@ from dspark.sampling import SamplingParams
 from dspark.speculative.errors import DrafterUnavailable
 from dspark.speculative.metrics import SpecMetrics
 from dspark.speculative.policy import FixedDraftLen, SpeculationPolicy
+from dspark.speculative.probe_check import ProbeChecks
 from dspark.speculative.rejection import draw_uniforms, rejection_sample_auto
 
 
@@ -94,6 +95,11 @@ class StepReport:
     conf_logits: torch.Tensor | None = None  # [R, gamma] raw confidences of those drafts
     verified: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    # Earlier greedy drafts that were not verified, checked against the tokens the target has
+    # decided since (probe_check.py): outcomes for calibration, not part of this step's batch.
+    checked_conf: torch.Tensor | None = None  # [M, gamma]
+    checked_verified: list[int] = field(default_factory=list)
+    checked_accepted: list[int] = field(default_factory=list)
 
 
 class SpecEngine(Engine):
@@ -106,6 +112,8 @@ class SpecEngine(Engine):
         self.policy = policy or FixedDraftLen(drafter.gamma if drafter is not None else 0)
         super().__init__(model, capture_layers=tuple(drafter.ctx_layers) if drafter is not None else (), **kw)
         self.last_report = StepReport()
+        self._checks = ProbeChecks()
+        self._probe_starts: dict[str, int] = {}  # greedy requests of the probe in flight: first guessed index
 
     def add(self, prompt, params=None, req_id=None, draft_len: int | None = None) -> Sequence:
         seq = super().add(prompt, params, req_id)
@@ -175,6 +183,7 @@ class SpecEngine(Engine):
             for s in seqs:
                 self._sync_drafter(s)
             if self.policy.probing and not any(seeded) and self.drafter.probe(req_ids, anchors, temperatures):
+                self._probe_starts = {s.req_id: len(s.tokens) for s in seqs if s.params.temperature == 0}
                 return None, [0] * len(seqs)  # answered in the background: this step decodes plainly
             block = self.drafter.draft(req_ids, anchors, temperatures, [s.generator for s in seqs])
         except DrafterUnavailable:
@@ -193,10 +202,26 @@ class SpecEngine(Engine):
         answer = self.drafter.probe_result()
         if answer is None or report.req_ids:  # a step that drafted has newer confidences of its own
             return
-        req_ids, conf_logits = answer
+        req_ids, conf_logits, tokens = answer
+        starts, self._probe_starts = self._probe_starts, {}
+        for i, req_id in enumerate(req_ids):
+            if req_id in starts:  # greedy: the target decides what the probe guessed
+                self._checks.add(req_id, starts[req_id], tokens[i].tolist(), conf_logits[i])
         self.policy.observe_probe(conf_logits)
         report.req_ids, report.conf_logits = list(req_ids), conf_logits
         report.verified, report.accepted = [0] * len(req_ids), [0] * len(req_ids)
+
+    def _take_checks(self, step: VerifyStep, report: StepReport) -> None:
+        """Outcomes of this step's verified drafts and of earlier unverified greedy ones that the
+        target has now decided: to the policy's live offset and into the report."""
+        if report.req_ids and report.conf_logits is not None and any(report.verified):
+            self.policy.observe_outcomes(report.conf_logits, report.accepted, report.verified)
+        if not self._checks:
+            return
+        settled = self._checks.collect({s.req_id: s for s in step.seqs})
+        if settled is not None:
+            report.checked_conf, report.checked_accepted, report.checked_verified = settled
+            self.policy.observe_outcomes(*settled)
 
     def _draft_len(self, seq: Sequence) -> int:
         """Most drafts this request may verify this step: its draft_len, the block size, room left."""
@@ -220,6 +245,7 @@ class SpecEngine(Engine):
         num_acc, out_tokens = self._verify(step, block)
         events = self._commit(step, num_acc, out_tokens, block)
         self._take_probe(self.last_report)
+        self._take_checks(step, self.last_report)
         self._push_context(drafted=block is not None)
         self.last_report.draft_seconds, self.last_report.drafted = draft_seconds, block is not None
         self.last_report.seconds = time.perf_counter() - t0
@@ -269,6 +295,10 @@ class SpecEngine(Engine):
             if self.capture_layers:
                 seq.spec.log_features(step.out.features[first:first + kept].to(torch.bfloat16))
             first += n_head + step.lens[i]
+            if (block is not None and i >= step.num_admitted and step.lens[i] == 0 and block.conf_logits is not None
+                    and seq.params.temperature == 0):  # drafted, none verified: checked once decided
+                row = i - step.num_admitted
+                self._checks.add(seq.req_id, len(seq.tokens), block.tokens[row].tolist(), block.conf_logits[row])
             seq.cached += kept
             self.cache.rollback(seq.slot, seq.cached)
             new = []

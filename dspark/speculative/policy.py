@@ -15,6 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
+from dspark.sched.calibration import LiveOffset
 from dspark.sched.prefix_scheduler import admit_top_k
 from dspark.sched.verify_budget import calibrated_survival
 
@@ -28,6 +29,8 @@ class SpeculationPolicy(Protocol):
     def should_draft(self, num_requests: int) -> bool: ...
 
     def observe_probe(self, conf_logits) -> None: ...
+
+    def observe_outcomes(self, conf_logits, accepted_len, verified_len) -> None: ...
 
     def lengths(self, block, draft_lens: list[int]) -> list[int]: ...
 
@@ -43,6 +46,9 @@ class FixedDraftLen:
 
     def observe_probe(self, conf_logits) -> None:
         pass  # never probes
+
+    def observe_outcomes(self, conf_logits, accepted_len, verified_len) -> None:
+        pass  # lengths do not depend on how drafts fared
 
     def lengths(self, block, draft_lens: list[int]) -> list[int]:
         """block: the DraftBlock (unused here); draft_lens: per-request caps (override, room left)."""
@@ -61,6 +67,8 @@ class ConfidencePolicy:
     so a steady "no" costs little; any budget > 0 resets it. A remote drafter answers a probe in
     the background (`probing`; the answer comes back through `observe_probe`), so a probe costs the
     target nothing. The decision uses older confidences only, so skipping cannot bias the output.
+    Survivals are shifted by a live logit offset fitted on the outcomes of this engine's recent
+    drafts, verified or checked afterwards (`observe_outcomes`, dspark/sched/calibration.py).
     """
 
     def __init__(self, source, temperatures=None, explore: float = 0.0, seed: int = 0, probe_every: int = 16):
@@ -76,6 +84,7 @@ class ConfidencePolicy:
         self.probe_interval = probe_every  # skipped steps before the next probe
         self.budget_in_force = source.default_draft_len
         self.probing = False
+        self.offset = LiveOffset()
 
     @property
     def default_draft_len(self) -> int:
@@ -101,7 +110,12 @@ class ConfidencePolicy:
 
     def observe_probe(self, conf_logits) -> None:
         """Confidences of a probe answered in the background: the newest the budget can use."""
-        self.source.observe(calibrated_survival(conf_logits, self.temperatures))
+        self.source.observe(calibrated_survival(conf_logits, self.temperatures, self.offset.value))
+
+    def observe_outcomes(self, conf_logits, accepted_len, verified_len) -> None:
+        if hasattr(conf_logits, "cpu"):
+            conf_logits = conf_logits.float().cpu().numpy()
+        self.offset.observe(conf_logits, self.temperatures, accepted_len, verified_len)
 
     def lengths(self, block, draft_lens: list[int]) -> list[int]:
         if block is None or block.conf_logits is None:  # no confidences: a fixed length
@@ -109,7 +123,7 @@ class ConfidencePolicy:
             self.budget_in_force = self.default_draft_len * len(draft_lens)
             self.source.from_scheduler = False
             return lengths
-        survival = calibrated_survival(block.conf_logits, self.temperatures)
+        survival = calibrated_survival(block.conf_logits, self.temperatures, self.offset.value)
         self.budget_in_force = self.source.budget(len(draft_lens))
         self.source.observe(survival)
         lengths = admit_top_k(survival, self.budget_in_force, np.asarray(draft_lens))
