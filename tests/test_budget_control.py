@@ -168,6 +168,10 @@ def test_budget_control_splits_step_time_into_target_pass_and_drafting():
                                verified=[], accepted=[]))
     assert control.sps.items() == [(3, 0.25), (6, pytest.approx(0.3))]  # the skipped step's 0.01 s is not drafting
     assert control.draft_cost.items() == [(2, 0.2)]
+    # A draft that first took in the 90 positions of two prompts is catch-up, not what a step costs.
+    control.on_step(StepReport(batch_size=2, batch_tokens=6, seconds=1.5, draft_seconds=1.2, drafted=True,
+                               verified=[2, 2], accepted=[1, 0], draft_context_rows=90))
+    assert control.draft_cost.items() == [(2, 0.2)]
     load = control.fill_load(load_pb2.VerifierLoad())
     assert [(p.requests, p.seconds) for p in load.draft_cost] == [(2, pytest.approx(0.2))]
     # Fixed draft length (--schedule=off): the scheduler's budget is never applied.

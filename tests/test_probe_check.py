@@ -104,3 +104,23 @@ def test_a_checked_draft_gets_the_outcome_verification_gives_the_same_draft():
         accepted, _ = verified[key]
         assert checked[key] == (accepted, min(accepted + 1, GAMMA)), key
     assert {a for a, _ in checked.values()} >= {0, 1, GAMMA}  # rejections early, late and none
+
+
+def test_a_step_reports_the_context_its_draft_took_in_first():
+    """A drafter that was skipped takes in every position it missed before it drafts (the draft-cost
+    table must not count that); a drafter kept current takes in one position per request."""
+    target = tiny_target()
+    prompts = [[5, 9, 11, 3], [7, 2, 8]]
+    outputs = greedy_reference(target, prompts, 12)
+    reference = {f"r{i}": p + o for i, (p, o) in enumerate(zip(prompts, outputs))}
+    engine = SpecEngine(target, NoisyOracle(reference, target.config.vocab_size), FixedDraftLen(GAMMA), max_batch=2,
+                        max_len=128)
+    for i, p in enumerate(prompts):
+        engine.add(p, SamplingParams(max_tokens=12), req_id=f"r{i}")
+    rows = []
+    while engine.has_work():
+        engine.step()
+        rows.append((engine.last_report.drafted, engine.last_report.draft_context_rows))
+    assert rows[0] == (False, 0)  # the prefill step drafts nothing
+    assert rows[1] == (True, sum(len(p) for p in prompts))  # both prompts' positions first
+    assert all(n <= 2 * (1 + GAMMA) for drafted, n in rows[2:])  # then what each step decided

@@ -113,7 +113,10 @@ class BudgetControl:
         if report.batch_tokens == report.batch_size + sum(report.verified) and report.seconds > 0:
             drafting = report.draft_seconds if report.drafted else 0.0
             self.sps.observe(report.batch_tokens, report.seconds - drafting)
-            if report.drafted:
+            # The draft-cost table holds what drafting adds per step while the drafter is current. A
+            # draft after skipped steps first takes in every position it missed (a whole prompt: 57 ms
+            # where a draft is 12): such a sample once made drafting look too dear to ever resume.
+            if report.drafted and report.draft_context_rows <= report.batch_size:
                 self.draft_cost.observe(report.batch_size, report.draft_seconds)
             elif self.drafter is not None and report.batch_size:
                 metrics.DRAFT_SKIPPED_STEPS.inc()

@@ -89,6 +89,7 @@ class StepReport:
     seconds: float = 0.0
     draft_seconds: float = 0.0
     drafted: bool = False  # whether the drafter ran this step (draft_seconds is its cost then)
+    draft_context_rows: int = 0  # context positions the drafter took in first (catch-up after skipped steps)
     # Requests that had a draft block this step, verified or not (verified may be 0): the
     # budget rule needs the confidences of the whole batch, calibration only the verified.
     req_ids: list[str] = field(default_factory=list)
@@ -114,6 +115,7 @@ class SpecEngine(Engine):
         self.last_report = StepReport()
         self._checks = ProbeChecks()
         self._probe_starts: dict[str, int] = {}  # greedy requests of the probe in flight: first guessed index
+        self._draft_context_rows = 0
 
     def add(self, prompt, params=None, req_id=None, draft_len: int | None = None) -> Sequence:
         seq = super().add(prompt, params, req_id)
@@ -133,8 +135,8 @@ class SpecEngine(Engine):
                 pass  # the drafter frees it when it notices the request is gone
 
     # ---- drafting ---------------------------------------------------------------------------
-    def _sync_drafter(self, seq: Sequence) -> None:
-        """Send the drafter the target features of decided positions it has not seen."""
+    def _sync_drafter(self, seq: Sequence) -> int:
+        """Send the drafter the target features of decided positions it has not seen; returns how many."""
         spec = seq.spec
         have = self.drafter.context_len(seq.req_id)
         if have != spec.drafter_synced:  # it lost or kept extra state: resend from what it has
@@ -144,7 +146,9 @@ class SpecEngine(Engine):
             feats = spec.features(spec.drafter_synced, seq.cached)
             toks = host_values(seq.tokens[spec.drafter_synced:seq.cached], torch.long, self.model.device)
             self.drafter.extend_context(seq.req_id, feats.float(), toks)
-            spec.drafter_synced = seq.cached
+            sent, spec.drafter_synced = seq.cached - spec.drafter_synced, seq.cached
+            return sent
+        return 0
 
     def _push_context(self, drafted: bool) -> None:
         """Every running request's new decided positions go to a remote drafter now, drafting or not:
@@ -180,8 +184,8 @@ class SpecEngine(Engine):
         anchors = host_values([s.tokens[-1] for s in seqs], torch.long, device)
         temperatures = host_values([s.params.temperature for s in seqs], torch.float32, device)
         try:
-            for s in seqs:
-                self._sync_drafter(s)
+            # Positions the drafter takes in before it drafts: one per request when it is current.
+            self._draft_context_rows = sum(self._sync_drafter(s) for s in seqs)
             if self.policy.probing and not any(seeded) and self.drafter.probe(req_ids, anchors, temperatures):
                 self._probe_starts = {s.req_id: len(s.tokens) for s in seqs if s.params.temperature == 0}
                 return None, [0] * len(seqs)  # answered in the background: this step decodes plainly
@@ -235,6 +239,7 @@ class SpecEngine(Engine):
         t0 = time.perf_counter()
         decoding = list(self.running)  # requests already past their prefill
         admitted = self.scheduler.admit()
+        self._draft_context_rows = 0
         block, lens = self._draft(decoding)
         # One copy to the host, which also waits for a GPU drafter: its time is counted as drafting.
         block_tokens = block.tokens.tolist() if block is not None else []
@@ -248,6 +253,7 @@ class SpecEngine(Engine):
         self._take_checks(step, self.last_report)
         self._push_context(drafted=block is not None)
         self.last_report.draft_seconds, self.last_report.drafted = draft_seconds, block is not None
+        self.last_report.draft_context_rows = self._draft_context_rows
         self.last_report.seconds = time.perf_counter() - t0
         return events
 
