@@ -55,6 +55,7 @@ class BudgetPlanner:
         draft_cost = seconds_table(draft_cost_points)
         draft_seconds = draft_cost.seconds(conf_logits.shape[0]) if draft_cost is not None else 0.0
         budget = self.budgets[verifier_id] = verify_budget(conf_logits, temperatures, sps, draft_seconds, offset.value)
+        import logging; logging.getLogger(__name__).info("DBG %s step %d R=%d offset %.2f survival sum %.2f draft %.1f ms plain %.1f ms -> K=%d", verifier_id, step, conf_logits.shape[0], offset.value, float(__import__("dspark.sched.verify_budget", fromlist=["x"]).calibrated_survival(conf_logits, temperatures, offset.value).sum()), 1e3*draft_seconds, 1e3*sps.seconds(conf_logits.shape[0]), budget)
         metrics.SCHEDULED_VERIFY_BUDGET.labels(verifier_id).set(budget)
         return budget
 

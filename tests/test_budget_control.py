@@ -188,7 +188,8 @@ def test_budget_zero_skips_the_drafter_but_probes_and_expires():
     control.apply(decision(0))
     decisions = [(policy.should_draft(3), policy.probing) for _ in range(60)]
     probes = [i + 1 for i, (draft, _) in enumerate(decisions) if draft]
-    assert probes == [4, 12, 28, 44, 60]  # after 4 skipped steps, then 8, then 16 (4 x 4) at most
+    # The verifier's drafter is remote: the first probe at once, then gaps of 2, 4, 8, 16 (4 x 4) at most.
+    assert probes == [1, 3, 7, 15, 31, 47]
     assert all(probing == draft for draft, probing in decisions)  # each one only a probe: none verified
     assert policy.budget_in_force == 0
     # The scheduler goes silent: skipped steps count towards its budget's expiry like drafted ones.
@@ -197,6 +198,18 @@ def test_budget_zero_skips_the_drafter_but_probes_and_expires():
     for _ in range(20):  # ... then silence: 20 steps
         policy.should_draft(3)
     assert policy.should_draft(3) and not source.from_scheduler and source.budget(3) == 6
+
+
+def test_an_in_process_policy_probes_after_probe_every_skipped_steps():
+    """In process a probe is a draft on the target's own thread: it waits probe_every steps first."""
+    from dspark.sched.budget_source import ScheduledBudget
+    from dspark.speculative.policy import ConfidencePolicy
+
+    source = ScheduledBudget(default_draft_len=2, ttl_steps=1000, ttl_s=1e9)
+    policy = ConfidencePolicy(source, probe_every=4)
+    source.push(0)
+    probes = [i + 1 for i in range(60) if policy.should_draft(3)]
+    assert probes == [4, 12, 28, 44, 60]  # after 4 skipped steps, then 8, then 16 (4 x 4) at most
 
 
 def test_shipped_temperatures_until_the_online_fit(tmp_path):

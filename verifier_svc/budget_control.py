@@ -58,8 +58,9 @@ class BudgetControl:
             self.policy = FixedDraftLen(default_draft_len if drafter is not None else 0)
             return self.policy
         self.source = ScheduledBudget(default_draft_len, self.ttl_steps, self.ttl_s)
+        # The drafter is remote: a probe runs beside the target, so the first comes at once.
         self.policy = ConfidencePolicy(self.source, shipped_temperatures(drafter), self.explore,
-                                       probe_every=self.probe_every)
+                                       probe_every=self.probe_every, first_probe=1)
         self.drafter_version, self.calibration_version = drafter.version, 0
         return self.policy
 

@@ -62,16 +62,18 @@ class ConfidencePolicy:
 
     Budget 0 means drafting does not pay for itself (weak drafts, or a batch large enough that the
     target is compute-bound): the next steps skip the drafter entirely, plain decoding, except for
-    a probe after `probe_every` skipped steps, whose drafts refresh the confidences the budget is
-    computed from. While probes keep finding 0 the gap between them doubles, up to 4 x probe_every,
-    so a steady "no" costs little; any budget > 0 resets it. A remote drafter answers a probe in
-    the background (`probing`; the answer comes back through `observe_probe`), so a probe costs the
-    target nothing. The decision uses older confidences only, so skipping cannot bias the output.
-    Survivals are shifted by a live logit offset fitted on the outcomes of this engine's recent
+    a probe after `first_probe` skipped steps (default probe_every), whose drafts refresh the
+    confidences the budget is computed from. While probes keep finding 0 the gap between them
+    doubles, up to 4 x probe_every, so a steady "no" costs little; any budget > 0 resets it. A
+    remote drafter answers a probe in the background (`probing`; the answer comes back through
+    `observe_probe`), so a probe costs the target nothing, and the verifier probes from the first
+    skipped step on (first_probe = 1): one weak block would otherwise stop drafting for 16 steps.
+    The decision uses older confidences only, so skipping cannot bias the output. Survivals are shifted by a live logit offset fitted on the outcomes of this engine's recent
     drafts, verified or checked afterwards (`observe_outcomes`, dspark/sched/calibration.py).
     """
 
-    def __init__(self, source, temperatures=None, explore: float = 0.0, seed: int = 0, probe_every: int = 16):
+    def __init__(self, source, temperatures=None, explore: float = 0.0, seed: int = 0, probe_every: int = 16,
+                 first_probe: int | None = None):
         """source: TwoStepBudget or ScheduledBudget; temperatures: STS per block position (None: T = 1);
         explore: share of requests that verify their whole draft_len anyway, so low-confidence
         tails keep getting labels for calibration."""
@@ -81,7 +83,8 @@ class ConfidencePolicy:
         self.temperatures = None if temperatures is None else np.asarray(temperatures, dtype=np.float64)
         self.rng = np.random.default_rng(seed)
         self.skipped = 0  # steps skipped since the last draft
-        self.probe_interval = probe_every  # skipped steps before the next probe
+        self.first_probe = probe_every if first_probe is None else max(1, first_probe)
+        self.probe_interval = self.first_probe  # skipped steps before the next probe
         self.budget_in_force = source.default_draft_len
         self.probing = False
         self.offset = LiveOffset()
@@ -97,7 +100,7 @@ class ConfidencePolicy:
         self.source.tick()
         self.probing = False
         if self.probe_every == 1 or self.source.next_budget(num_requests) > 0:
-            self.skipped, self.probe_interval = 0, self.probe_every
+            self.skipped, self.probe_interval = 0, self.first_probe
             return True
         self.skipped += 1
         self.budget_in_force = 0
