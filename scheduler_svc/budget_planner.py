@@ -14,12 +14,16 @@ exactly the target's.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from dspark.sched.calibration import LiveOffset
 from dspark.sched.sps import SpsTable
-from dspark.sched.verify_budget import verify_budget
+from dspark.sched.verify_budget import calibrated_survival, verify_budget
 from dspark.serving import metrics
+
+log = logging.getLogger(__name__)
 
 
 def seconds_table(points) -> SpsTable | None:
@@ -55,7 +59,10 @@ class BudgetPlanner:
         draft_cost = seconds_table(draft_cost_points)
         draft_seconds = draft_cost.seconds(conf_logits.shape[0]) if draft_cost is not None else 0.0
         budget = self.budgets[verifier_id] = verify_budget(conf_logits, temperatures, sps, draft_seconds, offset.value)
-        import logging; logging.getLogger(__name__).info("DBG %s step %d R=%d offset %.2f survival sum %.2f draft %.1f ms plain %.1f ms -> K=%d", verifier_id, step, conf_logits.shape[0], offset.value, float(__import__("dspark.sched.verify_budget", fromlist=["x"]).calibrated_survival(conf_logits, temperatures, offset.value).sum()), 1e3*draft_seconds, 1e3*sps.seconds(conf_logits.shape[0]), budget)
+        log.debug("verifier %s step %d: %d requests, offset %.2f, promised %.2f draft tokens, draft %.1f ms, "
+                  "plain step %.1f ms -> budget %d", verifier_id, step, conf_logits.shape[0], offset.value,
+                  float(calibrated_survival(conf_logits, temperatures, offset.value).sum()), 1e3 * draft_seconds,
+                  1e3 * sps.seconds(conf_logits.shape[0]), budget)
         metrics.SCHEDULED_VERIFY_BUDGET.labels(verifier_id).set(budget)
         return budget
 

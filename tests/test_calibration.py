@@ -199,15 +199,24 @@ def test_live_offset_learns_the_shift_of_a_verifiers_traffic(shift):
 
 
 def test_live_offset_follows_new_traffic_and_ignores_undecided_tokens():
-    offset = LiveOffset(window=256)
+    offset = LiveOffset(window=64)
     for seed, shift in ((4, 2.0), (5, -2.0)):
         z, accepted, verified = shifted_traffic(seed, shift)
         for rows in np.array_split(np.arange(len(z)), 50):
             offset.observe(z[rows], None, accepted[rows], verified[rows])
-    assert offset.value < -1.3  # the window holds only the second traffic's outcomes
+    assert offset.value < -1.3  # the window holds only the second traffic's blocks
     before = offset.value
-    # Nothing verified (a probe's report) and tokens after a rejection are no labels.
+    # Nothing verified (a probe's report) is no outcome; a sure block that accepted nothing pulls down.
     assert offset.observe(np.full((2, GAMMA), 9.0), None, [0, 0], [0, 0]) == before
     z = np.full((1, GAMMA), 9.0)
-    after_one = LiveOffset().observe(z, None, [0], [GAMMA])  # only token 1 decided: rejected
-    assert after_one < 0 and LiveOffset().observe(z, np.full(GAMMA, 3.0), [0], [GAMMA]) < 0
+    assert LiveOffset().observe(z, None, [0], [GAMMA]) < -0.5 and LiveOffset().observe(z, None, [GAMMA], [GAMMA]) > 0
+
+
+def test_live_offset_makes_the_promised_sum_what_was_accepted():
+    """The budget spends the sum of survivals: after the fit the window's blocks promise the draft
+    tokens they accepted (up to the shrinkage towards 0)."""
+    z, accepted, verified = shifted_traffic(seed=8, shift=-1.0, num=64)
+    offset = LiveOffset(window=64, prior_blocks=0.0)
+    offset.observe(z * 2.0, None, accepted, verified)  # over-confident logits on top of the shift
+    assert offset.promised(offset.value) == pytest.approx(accepted.sum(), rel=1e-3)
+    assert offset.promised(0.0) > 1.3 * accepted.sum()  # what the raw confidences promised

@@ -182,7 +182,10 @@ def test_online_sts_through_redis_matches_offline_fit(schedulers, redis_server):
                                     timeout=RPC_S)
         sps = seconds_table([(b, float(np.float32(s))) for b, s in SPS])
         assert reply.decided
-        assert reply.verify_budget == verify_budget(probe, temperatures_of(reply), sps)
+        # Survivals through the online temperatures and this verifier's live offset (its own outcomes).
+        offset = gauge(scrape(schedulers[0][1]), "dspark_live_confidence_offset", verifier_id="synthetic-0")
+        assert offset is not None
+        assert reply.verify_budget == verify_budget(probe, temperatures_of(reply), sps, offset=offset)
         assert reply.verify_budget != verify_budget(probe, None, sps)  # calibrated survivals changed the decision
         # An older report (out-of-order reply) does not replace the newer confidences.
         stale = stubs[0].ReportStep(report("synthetic-0", 5, logits[:ROWS] * 3, np.zeros(ROWS, int),

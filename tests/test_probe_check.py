@@ -15,13 +15,13 @@ from dspark.speculative.probe_check import ProbeChecks, check_outcome
 GAMMA = 4
 
 
-def test_check_outcome_settles_at_the_first_mismatch_or_when_all_is_decided():
-    assert check_outcome([5, 6, 7], [5, 9], finished=False) == (1, 2)  # token 2 rejected: decided
-    assert check_outcome([5, 6, 7], [5, 6], finished=False) is None  # token 3 not decided yet
+def test_check_outcome_settles_once_every_guessed_position_is_decided():
+    assert check_outcome([5, 6, 7], [5, 9], finished=False) is None  # position 3 not decided yet
+    assert check_outcome([5, 6, 7], [5, 9, 1], finished=False) == (1, 3)  # token 2 rejected
     assert check_outcome([5, 6, 7], [5, 6, 7, 8], finished=False) == (3, 3)
     assert check_outcome([5, 6, 7], [5, 6], finished=True) == (2, 2)  # ended: what was decided
+    assert check_outcome([5, 6, 7], [4], finished=True) == (0, 1)
     assert check_outcome([5, 6, 7], [], finished=True) is None  # nothing decided at all
-    assert check_outcome([5, 6, 7], [4], finished=False) == (0, 1)
 
 
 def test_probe_checks_wait_for_the_target_and_drop_aborted_requests():
@@ -36,6 +36,8 @@ def test_probe_checks_wait_for_the_target_and_drop_aborted_requests():
     assert checks.collect({"a": Seq([1, 2, 3, 7])}) is None and len(checks) == 2  # "gone" dropped
     conf, accepted, verified = checks.collect({"a": Seq([1, 2, 3, 7, 8, 6])})
     assert conf.tolist() == [[1.0, 2.0], [3.0, 4.0]] and (accepted, verified) == ([2, 1], [2, 2])
+    checks.add("a", 6, [1, 2], torch.tensor([5.0, 6.0]))
+    assert checks.collect({"a": Seq([1, 2, 3, 7, 8, 6, 1], done=True)})[1:] == ([1], [1])
     assert not len(checks)
 
 
@@ -102,7 +104,7 @@ def test_a_checked_draft_gets_the_outcome_verification_gives_the_same_draft():
     assert len(both) >= 8, (len(verified), len(checked))
     for key in both:
         accepted, _ = verified[key]
-        assert checked[key] == (accepted, min(accepted + 1, GAMMA)), key
+        assert checked[key] == (accepted, GAMMA), key
     assert {a for a, _ in checked.values()} >= {0, 1, GAMMA}  # rejections early, late and none
 
 

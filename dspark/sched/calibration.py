@@ -71,39 +71,50 @@ def decided_outcomes(accepted_len, verified_len, gamma: int) -> tuple[np.ndarray
 
 
 class LiveOffset:
-    """A logit offset b for one verifier's confidences, c_k = sigmoid(z_k / T_k + b): the maximum a
-    posteriori b for the last `window` outcomes it decided, prior N(0, prior_sd^2).
+    """A logit offset b for one verifier's confidences, c_k = sigmoid(z_k / T_k + b), chosen so
+    that the survivals promise what its last `window` verified blocks delivered:
+    sum over blocks of sum_{j < verified} prod_{i <= j} c_i = sum of accepted draft tokens,
+    the very sum the two-step rule spends. Shrunk towards 0 while few blocks are in.
 
     The STS temperatures are fitted on pooled traffic; how well a drafter does swings with what a
     verifier serves right now (one gsm8k prompt: 1.67 draft tokens accepted a step where the fitted
     survivals promised 0.5; a mix of four: 1.06 where they promised 2.3). A temperature cannot
-    move a confidence across one half; an offset fitted on this verifier's own recent outcomes
-    can, and it sees only decided tokens of earlier steps, never the drafts a budget admits.
+    move a confidence across one half; this offset can. It sees only outcomes of earlier steps
+    (verified drafts, or unverified ones checked since), never the drafts a budget admits.
     """
 
-    def __init__(self, window: int = 256, prior_sd: float = 1.5):
-        self.window, self.prior_sd = window, prior_sd
-        self._z = np.empty(0)
-        self._y = np.empty(0)
+    def __init__(self, window: int = 64, prior_blocks: float = 8.0):
+        self.window, self.prior_blocks = window, prior_blocks
+        self._z = np.empty((0, 0))
+        self._verified = np.empty(0, dtype=np.int64)
+        self._accepted = np.empty(0, dtype=np.int64)
         self.value = 0.0
 
+    def promised(self, offset: float) -> float:
+        """Draft tokens the window's blocks would be expected to accept at this offset."""
+        survival = np.cumprod(sigmoid(self._z + offset), axis=1)
+        return float(np.sum(survival * (np.arange(self._z.shape[1])[None, :] < self._verified[:, None])))
+
     def observe(self, conf_logits, temperatures, accepted_len, verified_len) -> float:
-        """Add one step's decided outcomes (raw logits [R, gamma] + lengths); returns the new b."""
+        """Add one report's blocks (raw logits [R, gamma] + lengths; unverified rows are skipped)."""
         z = np.asarray(conf_logits, dtype=np.float64)
         if temperatures is not None:
             z = z / np.asarray(temperatures, dtype=np.float64)
-        decided, survived = decided_outcomes(accepted_len, verified_len, z.shape[1])
-        if not decided.any():
+        verified = np.asarray(verified_len, dtype=np.int64).reshape(-1)
+        rows = verified > 0
+        if not rows.any():
             return self.value
-        self._z = np.concatenate([self._z, z[decided]])[-self.window:]
-        self._y = np.concatenate([self._y, survived[decided].astype(np.float64)])[-self.window:]
-        b = self.value
-        for _ in range(4):  # Newton on the log posterior: concave, one dimension
-            p = sigmoid(self._z + b)
-            grad = np.sum(self._y - p) - b / self.prior_sd ** 2
-            hess = np.sum(p * (1 - p)) + 1 / self.prior_sd ** 2
-            b += grad / hess
-        self.value = float(b)
+        if self._z.shape[1] != z.shape[1]:
+            self._z = np.empty((0, z.shape[1]))
+        self._z = np.concatenate([self._z, z[rows]])[-self.window:]
+        self._verified = np.concatenate([self._verified, verified[rows]])[-self.window:]
+        self._accepted = np.concatenate([self._accepted, np.asarray(accepted_len).reshape(-1)[rows]])[-self.window:]
+        target, low, high = float(self._accepted.sum()), -8.0, 8.0
+        for _ in range(40):  # promised() rises with the offset: bisection
+            mid = 0.5 * (low + high)
+            low, high = (mid, high) if self.promised(mid) < target else (low, mid)
+        blocks = len(self._verified)
+        self.value = 0.5 * (low + high) * blocks / (blocks + self.prior_blocks)
         return self.value
 
 

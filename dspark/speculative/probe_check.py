@@ -25,17 +25,17 @@ class PendingCheck:
 
 
 def check_outcome(guess: list[int], decided: list[int], finished: bool) -> tuple[int, int] | None:
-    """(accepted, verified) as greedy verification of `guess` would have reported them, once the
-    target's tokens `decided` settle it: at the first mismatch, when all of `guess` is decided, or
-    when the request finished (what was decided by then). None while undecided."""
+    """(accepted, verified) as verifying all of `guess` would have reported them, once the target
+    has decided every guessed position (or the request ended: the positions it decided). None
+    before. `verified` never depends on the guess being right, as a verify length never does."""
+    if len(decided) < len(guess) and not finished or not decided:
+        return None
     matched = 0
     for g, d in zip(guess, decided):
         if g != d:
-            return matched, matched + 1
+            break
         matched += 1
-    if matched == len(guess) or finished:
-        return (matched, matched) if matched else None
-    return None
+    return matched, min(len(guess), len(decided))
 
 
 class ProbeChecks:
