@@ -68,8 +68,9 @@ class ConfidencePolicy:
     remote drafter answers a probe in the background (`probing`; the answer comes back through
     `observe_probe`), so a probe costs the target nothing, and the verifier probes from the first
     skipped step on (first_probe = 1): one weak block would otherwise stop drafting for 16 steps.
-    The decision uses older confidences only, so skipping cannot bias the output. Survivals are shifted by a live logit offset fitted on the outcomes of this engine's recent
-    drafts, verified or checked afterwards (`observe_outcomes`, dspark/sched/calibration.py).
+    The decision uses older confidences only, so skipping cannot bias the output. Survivals are
+    shifted by a live logit offset fitted on the outcomes of this engine's recent drafts, verified
+    or checked afterwards (`observe_outcomes`, dspark/sched/calibration.py).
     """
 
     def __init__(self, source, temperatures=None, explore: float = 0.0, seed: int = 0, probe_every: int = 16,
