@@ -162,11 +162,16 @@ def test_budget_control_splits_step_time_into_target_pass_and_drafting():
 
     control = BudgetControl()
     control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1"), default_draft_len=2)
+    first = StepReport(batch_size=2, batch_tokens=6, seconds=0.9, draft_seconds=0.6, drafted=True,
+                       verified=[2, 2], accepted=[1, 0])
+    control.on_step(first)  # the first draft after skipped steps: not what drafting on costs
     control.on_step(StepReport(batch_size=2, batch_tokens=6, seconds=0.5, draft_seconds=0.2, drafted=True,
                                verified=[2, 2], accepted=[1, 0]))
     control.on_step(StepReport(batch_size=3, batch_tokens=3, seconds=0.25, draft_seconds=0.01, drafted=False,
                                verified=[], accepted=[]))
     assert control.sps.items() == [(3, 0.25), (6, pytest.approx(0.3))]  # the skipped step's 0.01 s is not drafting
+    assert control.draft_cost.items() == [(2, 0.2)]
+    control.on_step(first)  # again after a skipped step
     assert control.draft_cost.items() == [(2, 0.2)]
     # A draft that first took in the 90 positions of two prompts is catch-up, not what a step costs.
     control.on_step(StepReport(batch_size=2, batch_tokens=6, seconds=1.5, draft_seconds=1.2, drafted=True,

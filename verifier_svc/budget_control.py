@@ -48,6 +48,7 @@ class BudgetControl:
         self.drafter = None
         self.drafter_version = ""
         self.calibration_version = 0  # of the temperatures in force; 0 = shipped or none
+        self._drafted_before = False  # whether the last step drafted (engine thread)
 
     def make_policy(self, drafter, default_draft_len: int, scheduled: bool = True):
         """ConfidencePolicy on the scheduler's budget (default_draft_len per request as the
@@ -114,13 +115,16 @@ class BudgetControl:
         if report.batch_tokens == report.batch_size + sum(report.verified) and report.seconds > 0:
             drafting = report.draft_seconds if report.drafted else 0.0
             self.sps.observe(report.batch_tokens, report.seconds - drafting)
-            # The draft-cost table holds what drafting adds per step while the drafter is current. A
-            # draft after skipped steps first takes in every position it missed (a whole prompt: 57 ms
-            # where a draft is 12): such a sample once made drafting look too dear to ever resume.
-            if report.drafted and report.draft_context_rows <= report.batch_size:
+            # The draft-cost table holds what drafting adds per step while drafting goes on: a drafted
+            # step after a drafted one, the drafter current. The first draft after skipped steps first
+            # takes in every position it missed (a whole prompt: 57 ms where a draft is 12), or waits
+            # for a probe still running (94 ms at 4 requests where a draft is 22): such samples once
+            # made drafting look too dear to ever resume.
+            if report.drafted and self._drafted_before and report.draft_context_rows <= report.batch_size:
                 self.draft_cost.observe(report.batch_size, report.draft_seconds)
             elif self.drafter is not None and report.batch_size:
                 metrics.DRAFT_SKIPPED_STEPS.inc()
+        self._drafted_before = report.drafted
         for n in report.verified:
             metrics.VERIFIED_PER_REQUEST.observe(n)
         if self.source is not None:
