@@ -2,12 +2,13 @@
 off the verifiers' critical path.
 
 A verifier's step reports carry the raw confidence logits of its whole batch. For each verifier
-we keep the newest report's (by step number; replies may be processed out of order) and, when it
-comes, compute the budget with the verifier's own published SPS and draft-cost tables (seconds,
-as the verifier measured them) and the newest temperatures of its drafter version (0 tells the
-verifier to skip drafting: the drafts would not pay for it), shifted by the verifier's live
-logit offset (dspark/sched/calibration.py LiveOffset: fitted on the outcomes its own recent
-steps decided, so the promise follows the prompts it serves now). The verifier receives the budget with
+we keep the survivals of its newest reports (by step number; replies may be processed out of
+order): calibrated by the newest temperatures of its drafter version and shifted by the
+verifier's live logit offset (dspark/sched/calibration.py LiveOffset: fitted on the outcomes its
+own recent steps decided, so the promise follows the prompts it serves now). The budget comes
+from the mean survival row of the last POOLED_REPORTS reports for each running request, with the
+verifier's own published SPS and draft-cost tables (seconds, as it measured them); 0 tells the
+verifier to skip drafting: the drafts would not pay for it. The verifier receives the budget with
 the reply and uses it from its next step on: by then the confidences behind it are at least a
 step old (two steps with the reply in flight), never the drafts it admits, which keeps the output
 exactly the target's.
@@ -15,15 +16,18 @@ exactly the target's.
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import numpy as np
 
 from dspark.sched.calibration import LiveOffset
+from dspark.sched.prefix_scheduler import budget_from_survival
 from dspark.sched.sps import SpsTable
-from dspark.sched.verify_budget import calibrated_survival, verify_budget
+from dspark.sched.verify_budget import calibrated_survival, pooled_survival
 from dspark.serving import metrics
 
 log = logging.getLogger(__name__)
+POOLED_REPORTS = 4
 
 
 def seconds_table(points) -> SpsTable | None:
@@ -38,6 +42,7 @@ class BudgetPlanner:
         self._newest: dict[str, int] = {}  # verifier id -> step of the confidences behind its budget
         self.budgets: dict[str, int] = {}
         self.offsets: dict[str, LiveOffset] = {}
+        self._recent: dict[str, deque] = {}  # verifier id -> survivals of its newest reports
 
     def learn(self, verifier_id: str, conf_logits: np.ndarray, temperatures, accepted_len, verified_len) -> float:
         """Outcomes this verifier decided (verified drafts, or unverified ones checked since): its offset."""
@@ -58,10 +63,13 @@ class BudgetPlanner:
         self._newest[verifier_id] = step
         draft_cost = seconds_table(draft_cost_points)
         draft_seconds = draft_cost.seconds(conf_logits.shape[0]) if draft_cost is not None else 0.0
-        budget = self.budgets[verifier_id] = verify_budget(conf_logits, temperatures, sps, draft_seconds, offset.value)
+        recent = self._recent.setdefault(verifier_id, deque(maxlen=POOLED_REPORTS))
+        recent.append(calibrated_survival(conf_logits, temperatures, offset.value))
+        pooled = pooled_survival(list(recent), conf_logits.shape[0])
+        budget = self.budgets[verifier_id] = budget_from_survival(pooled, sps, draft_seconds)
         log.debug("verifier %s step %d: %d requests, offset %.2f, promised %.2f draft tokens, draft %.1f ms, "
                   "plain step %.1f ms -> budget %d", verifier_id, step, conf_logits.shape[0], offset.value,
-                  float(calibrated_survival(conf_logits, temperatures, offset.value).sum()), 1e3 * draft_seconds,
+                  float(pooled.sum()), 1e3 * draft_seconds,
                   1e3 * sps.seconds(conf_logits.shape[0]), budget)
         metrics.SCHEDULED_VERIFY_BUDGET.labels(verifier_id).set(budget)
         return budget
@@ -71,3 +79,4 @@ class BudgetPlanner:
         self._newest.pop(verifier_id, None)
         self.budgets.pop(verifier_id, None)
         self.offsets.pop(verifier_id, None)
+        self._recent.pop(verifier_id, None)

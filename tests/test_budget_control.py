@@ -16,7 +16,8 @@ from dspark.engine.generate import Engine
 from dspark.proto_gen.v1 import load_pb2, tensor_pb2
 from dspark.sched.calibration import OnlineCalibrationStats, apply_sts
 from dspark.sched.prefix_scheduler import admit_top_k
-from dspark.sched.verify_budget import calibrated_survival, verify_budget
+from dspark.sched.prefix_scheduler import budget_from_survival
+from dspark.sched.verify_budget import calibrated_survival, pooled_survival
 from scheduler_svc.budget_planner import BudgetPlanner, seconds_table
 from scheduler_svc.calibration_store import Fit, MemoryCalibrationStore
 from scheduler_svc.online_calibration import OnlineCalibrator
@@ -119,10 +120,15 @@ def test_budget_planner_uses_the_newest_report_and_the_published_sps():
     logits = np.array(LOGITS)
     assert planner.on_report("v", 1, logits, None, []) is None  # no SPS table yet: no decision
     budget = planner.on_report("v", 2, logits, None, points)
-    assert budget == verify_budget(logits, None, seconds_table(points)) and planner.budgets["v"] == budget
+    table = seconds_table(points)
+    warm = calibrated_survival(logits)
+    assert budget == budget_from_survival(pooled_survival([warm], 3), table) and planner.budgets["v"] == budget
     assert planner.on_report("v", 1, logits - 5, None, points) == budget  # older report: ignored
-    cold = planner.on_report("v", 3, logits, np.full(4, 4.0), points)
-    assert cold == verify_budget(logits, np.full(4, 4.0), seconds_table(points))
+    cold = planner.on_report("v", 3, logits, np.full(4, 4.0), points)  # pooled with the report before
+    assert cold == budget_from_survival(pooled_survival([warm, calibrated_survival(logits, np.full(4, 4.0))], 3), table)
+    for step in range(4, 8):  # only the last POOLED_REPORTS reports count
+        planner.on_report("v", step, logits - 6, None, points)
+    assert planner.on_report("v", 8, logits - 6, None, points) == 0
     planner.forget("v")
     assert "v" not in planner.budgets
 

@@ -23,7 +23,8 @@ from test_calibration import GAMMA, overconfident_traffic
 from dspark.proto_gen.v1 import load_pb2, scheduler_pb2, scheduler_pb2_grpc
 from dspark.sched.calibration import OnlineCalibrationStats, apply_sts, fit_sts, sigmoid
 from dspark.sched.metrics import per_position_calibration
-from dspark.sched.verify_budget import verify_budget
+from dspark.sched.prefix_scheduler import budget_from_survival
+from dspark.sched.verify_budget import calibrated_survival, pooled_survival, verify_budget
 from scheduler_svc.budget_planner import seconds_table
 from scheduler_svc.calibration_store import bins_key, sts_key
 
@@ -178,15 +179,18 @@ def test_online_sts_through_redis_matches_offline_fit(schedulers, redis_server):
 
         # The budget: the two-step rule on the newest report, its temperatures and the published SPS.
         probe = logits[:ROWS] * 0.5
-        reply = stubs[0].ReportStep(report("synthetic-0", 10**6, probe, np.zeros(ROWS, int), np.zeros(ROWS, int)),
-                                    timeout=RPC_S)
+        for step in range(10**6, 10**6 + 4):  # the planner pools the last 4 reports: all this one
+            reply = stubs[0].ReportStep(report("synthetic-0", step, probe, np.zeros(ROWS, int), np.zeros(ROWS, int)),
+                                        timeout=RPC_S)
         sps = seconds_table([(b, float(np.float32(s))) for b, s in SPS])
         assert reply.decided
         # Survivals through the online temperatures and this verifier's live offset (its own outcomes).
         offset = gauge(scrape(schedulers[0][1]), "dspark_live_confidence_offset", verifier_id="synthetic-0")
         assert offset is not None
-        assert reply.verify_budget == verify_budget(probe, temperatures_of(reply), sps, offset=offset)
-        assert reply.verify_budget != verify_budget(probe, None, sps)  # calibrated survivals changed the decision
+        survival = calibrated_survival(probe, temperatures_of(reply), offset)
+        assert reply.verify_budget == budget_from_survival(pooled_survival([survival], ROWS), sps)
+        raw = pooled_survival([calibrated_survival(probe)], ROWS)
+        assert reply.verify_budget != budget_from_survival(raw, sps)  # calibrated survivals changed the decision
         # An older report (out-of-order reply) does not replace the newer confidences.
         stale = stubs[0].ReportStep(report("synthetic-0", 5, logits[:ROWS] * 3, np.zeros(ROWS, int),
                                            np.zeros(ROWS, int)), timeout=RPC_S)
