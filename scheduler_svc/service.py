@@ -290,6 +290,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if self.calibrator is not None and request.drafter_version:
                 self.calibrator.add(request.drafter_version, logits, accepted, verified)
             self.planner.learn(request.verifier_id, logits, temperatures, accepted, verified)
+        self.planner.observe_step(request.verifier_id, request.batch_size, request.batch_tokens,
+                                  request.step_latency_s, any(request.verified_len), known.get("sps", []),
+                                  known.get("draft_cost", []))
         if conf is not None:
             self.planner.on_report(request.verifier_id, request.step, conf, temperatures, known.get("sps", []),
                                    known.get("draft_cost", []))

@@ -38,7 +38,8 @@ class SchedulerReporter:
     def on_step(self, step_report, drafter_version: str = "") -> None:
         """Engine thread: remember the step (deque.append is thread-safe)."""
         self._steps += 1
-        if step_report.req_ids:  # steps with drafts only: the others carry no labels or confidences
+        # Steps with drafts or checked outcomes only: the others carry no labels or confidences.
+        if step_report.req_ids or step_report.checked_conf is not None:
             self.reports.append((self._steps, step_report, drafter_version))
 
     def start(self) -> None:

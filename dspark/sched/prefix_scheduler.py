@@ -89,7 +89,8 @@ def lookahead_search(a: np.ndarray, sps) -> np.ndarray:
     return best
 
 
-def budget_from_survival(a_two_steps_ago: np.ndarray, sps, draft_seconds: float = 0.0) -> int:
+def budget_from_survival(a_two_steps_ago: np.ndarray, sps, draft_seconds: float = 0.0,
+                         drafted_scale: float = 1.0) -> int:
     """Two-step rule: a step's verify budget K from the survivals of two steps ago.
 
     Global search over every K = 0..R*gamma on the real (jagged) SPS table, no early stop:
@@ -100,13 +101,17 @@ def budget_from_survival(a_two_steps_ago: np.ndarray, sps, draft_seconds: float 
     draft_seconds: what drafting adds to a step for these R requests. K = 0 means "do not
     draft at all", so only K > 0 pays it: Theta(0) = R * SPS(R) is plain decoding, and a
     drafter that costs more than it saves loses to it.
+
+    drafted_scale: how much longer drafted steps really take than the tables say, relative to
+    plain ones (measured live by the caller; 1 = the tables are right).
     """
     a = _check_survival(a_two_steps_ago)
     num_requests = a.shape[0]
     best_extra = np.concatenate([[0.0], np.cumsum(np.sort(a.ravel())[::-1])])
     token_counts = num_requests + np.arange(best_extra.size)
     rates = np.broadcast_to(np.asarray(sps(token_counts), dtype=np.float64), token_counts.shape)
-    step_seconds = 1.0 / rates + np.where(token_counts > num_requests, max(float(draft_seconds), 0.0), 0.0)
+    drafted = token_counts > num_requests
+    step_seconds = np.where(drafted, (1.0 / rates + max(float(draft_seconds), 0.0)) * drafted_scale, 1.0 / rates)
     theta = (num_requests + best_extra) / step_seconds
     return int(np.argmax(theta))  # argmax returns the first (smallest K) maximum
 
