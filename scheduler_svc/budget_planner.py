@@ -44,7 +44,7 @@ class BudgetPlanner:
         self.budgets: dict[str, int] = {}
         self.offsets: dict[str, LiveOffset] = {}
         self._recent: dict[str, deque] = {}  # verifier id -> survivals of its newest reports
-        self.step_ratios: dict[str, dict[bool, float]] = {}  # verifier id -> {drafted: real / modelled seconds}
+        self.drafted_ratio: dict[str, float] = {}  # verifier id -> real / modelled seconds of drafted steps
 
     def learn(self, verifier_id: str, conf_logits: np.ndarray, temperatures, accepted_len, verified_len) -> float:
         """Outcomes this verifier decided (verified drafts, or unverified ones checked since): its offset."""
@@ -55,21 +55,23 @@ class BudgetPlanner:
 
     def observe_step(self, verifier_id: str, requests: int, batch_tokens: int, seconds: float, drafted: bool,
                      sps_points, draft_cost_points=()) -> None:
-        """A step as it really ran against what the published tables say it costs. On a shared host a
-        drafted step costs more than its target pass plus its draft (the drafter takes in the pushed
-        context beside the pass; rejection, pushes): fixed k = 7 at 4 requests took 95 ms a step where
-        the tables said 50. The budget weighs drafted steps by this ratio relative to plain ones."""
+        """A drafted step as it really ran against what the published tables say it costs: the target
+        pass at B tokens plus the draft. The tables hold plain steps well (every plain step updates
+        B = R), but a drafted step lands on a sparse bucket between warm-up points and costs more than
+        its parts on a shared host (the drafter takes in the pushed context beside the pass): fixed
+        k = 7 at 4 requests took 95 ms a step where the tables said 50. Plain steps are not used:
+        only those that carry a probe's answer are reported, and the probe ran beside them."""
         sps, draft_cost = seconds_table(sps_points), seconds_table(draft_cost_points)
-        if sps is None or seconds <= 0 or requests < 1 or (drafted and draft_cost is None):
+        if not drafted or sps is None or draft_cost is None or seconds <= 0 or requests < 1:
             return
-        modelled = sps.seconds(batch_tokens) + (draft_cost.seconds(requests) if drafted else 0.0)
+        modelled = sps.seconds(batch_tokens) + draft_cost.seconds(requests)
         ratio = float(np.clip(seconds / modelled, 0.25, 4.0))
-        ratios = self.step_ratios.setdefault(verifier_id, {True: 1.0, False: 1.0})
-        ratios[drafted] += STEP_RATIO_WEIGHT * (ratio - ratios[drafted])
+        old = self.drafted_ratio.get(verifier_id, 1.0)
+        self.drafted_ratio[verifier_id] = old + STEP_RATIO_WEIGHT * (ratio - old)
 
     def drafted_scale(self, verifier_id: str) -> float:
-        ratios = self.step_ratios.get(verifier_id)
-        return ratios[True] / ratios[False] if ratios else 1.0
+        """Real / modelled seconds of this verifier's recent drafted steps (1 before any)."""
+        return self.drafted_ratio.get(verifier_id, 1.0)
 
     def on_report(self, verifier_id: str, step: int, conf_logits: np.ndarray, temperatures, sps_points,
                   draft_cost_points=()) -> int | None:
@@ -101,4 +103,4 @@ class BudgetPlanner:
         self.budgets.pop(verifier_id, None)
         self.offsets.pop(verifier_id, None)
         self._recent.pop(verifier_id, None)
-        self.step_ratios.pop(verifier_id, None)
+        self.drafted_ratio.pop(verifier_id, None)

@@ -263,16 +263,19 @@ def test_planner_drafts_for_a_verifier_whose_drafts_do_better_than_promised():
 
 def test_planner_weighs_drafted_steps_by_how_long_they_really_took():
     """Drafted steps that run twice as long as the SPS and draft-cost tables say make drafting lose
-    to plain decoding; plain steps slow by the same factor leave the choice as it was."""
+    to plain decoding; plain steps (their own table is kept current by the verifier) do not count."""
     sps = [[b, 0.02] for b in range(1, 40)]  # 20 ms a pass
     cost = [[1, 0.005], [4, 0.01]]  # drafting adds 5-10 ms
     z = np.full((2, GAMMA), 0.0)  # promises ~1 draft token a request
     fresh = BudgetPlanner()
     assert fresh.on_report("v", 1, z, None, sps, cost) > 0
     slow = BudgetPlanner()
+    for _ in range(20):
+        slow.observe_step("v", 2, 2, 0.060, False, sps, cost)  # plain: ignored
+    assert slow.drafted_scale("v") == 1.0
     for _ in range(20):  # drafted steps at B = 8 took 60 ms where the tables say 27
         slow.observe_step("v", 2, 8, 0.060, True, sps, cost)
     assert slow.drafted_scale("v") > 2.0 and slow.on_report("v", 1, z, None, sps, cost) == 0
-    for _ in range(20):  # plain steps are as slow: the host is, not drafting
-        slow.observe_step("v", 2, 2, 0.044, False, sps, cost)
+    for _ in range(20):  # they speed up to what the tables say: drafting pays again
+        slow.observe_step("v", 2, 8, 0.027, True, sps, cost)
     assert slow.drafted_scale("v") < 1.1 and slow.on_report("v", 2, z, None, sps, cost) > 0
