@@ -57,7 +57,15 @@ def parse_args(argv=None):
     ap.add_argument("--calibration-min-samples", type=int, env="DSPARK_CALIBRATION_MIN_SAMPLES", default=200,
                     help="decided outcomes at block position 1 needed before the first fit; a later "
                          "position with fewer keeps the drafter's shipped temperature")
-    return ap.parse_args(argv)
+    ap.add_argument("--min-draft-gain", type=float, env="DSPARK_MIN_DRAFT_GAIN", default=1.3,
+                    help="a verify budget > 0 must promise this many times plain decoding's tokens/s: the "
+                         "per-step model misses what drafting costs in a short batch (its requests finish "
+                         "at different steps); on a 2-core host promised 1.2-1.3x gave 0.6-0.8x at 2-4 "
+                         "requests, promised 1.6x gave 1.38x at one (docs/results.md)")
+    args = ap.parse_args(argv)
+    if args.min_draft_gain < 1:
+        raise SystemExit("--min-draft-gain must be >= 1")
+    return args
 
 
 def start_discovery(args, registry: Registry, stop: threading.Event) -> None:
@@ -88,7 +96,7 @@ async def serve(args) -> None:
     router = Router(registry, args.max_message_mb, args.queue_timeout_s)
     calibrator = OnlineCalibrator(make_calibration_store(store), args.calibration_refit_reports,
                                   args.calibration_refit_s, args.calibration_min_samples)
-    scheduler = SchedulerService(registry, BudgetPlanner(), calibrator,
+    scheduler = SchedulerService(registry, BudgetPlanner(args.min_draft_gain), calibrator,
                                  address_check=args.verifier_address_check == "on")
     app = GrpcApp("scheduler", args, [
         (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(router), "dspark.v1.Generation"),

@@ -39,7 +39,10 @@ def seconds_table(points) -> SpsTable | None:
 
 
 class BudgetPlanner:
-    def __init__(self):
+    def __init__(self, min_gain: float = 1.0):
+        """min_gain: drafting must promise this many times plain decoding's throughput (see
+        scheduler_svc.__main__ --min-draft-gain)."""
+        self.min_gain = min_gain
         self._newest: dict[str, int] = {}  # verifier id -> step of the confidences behind its budget
         self.budgets: dict[str, int] = {}
         self.offsets: dict[str, LiveOffset] = {}
@@ -89,7 +92,7 @@ class BudgetPlanner:
         recent.append(calibrated_survival(conf_logits, temperatures, offset.value))
         pooled = pooled_survival(list(recent), conf_logits.shape[0])
         scale = self.drafted_scale(verifier_id)
-        budget = self.budgets[verifier_id] = budget_from_survival(pooled, sps, draft_seconds, scale)
+        budget = self.budgets[verifier_id] = budget_from_survival(pooled, sps, draft_seconds, scale, self.min_gain)
         log.debug("verifier %s step %d: %d requests, offset %.2f, promised %.2f draft tokens, draft %.1f ms, "
                   "plain step %.1f ms, drafted steps x%.2f -> budget %d", verifier_id, step, conf_logits.shape[0],
                   offset.value, float(pooled.sum()), 1e3 * draft_seconds, 1e3 * sps.seconds(conf_logits.shape[0]),

@@ -52,7 +52,7 @@ def schedulers(redis_server, tmp_path_factory):
         metrics_port = free_port()
         service, address = start_scheduler(logs, [], redis_url=redis_server.url, metrics_port=metrics_port,
                                            calibration_refit_reports=100000, calibration_refit_s=1,
-                                           calibration_min_samples=200)
+                                           calibration_min_samples=200, min_draft_gain=1.0)  # the bare rule
         started.append((service, address, metrics_port))
     try:
         for service, address, _ in started:

@@ -277,3 +277,11 @@ def test_appendix_a_cases_really_speculate():
     assert [causal_greedy(block_survival(x1), cheaper)[0] for x1 in (0, 1)] == [2, 1]
     assert [budget_from_survival(block_survival(x1), PAPER_SPS) for x1 in (0, 1)] == [2, 0]
     assert [lookahead_search(block_survival(x1), PAPER_SPS)[0] for x1 in (0, 1)] == [2, 0]
+
+
+def test_a_minimum_gain_keeps_plain_decoding_unless_drafting_promises_more():
+    sps = lambda b: np.full(np.shape(b), 50.0)  # noqa: E731  20 ms a pass at any B
+    a = prefix_survival(np.full((1, 4), 0.5))  # promises 0.94 draft tokens: 1.94 tokens vs 1 a step
+    assert budget_from_survival(a, sps, draft_seconds=0.01) == 4  # 1.94 / 30 ms = 1.29x plain
+    assert budget_from_survival(a, sps, draft_seconds=0.01, min_gain=1.3) == 0
+    assert budget_from_survival(a, sps, draft_seconds=0.0, min_gain=1.3) == 4  # 1.94x

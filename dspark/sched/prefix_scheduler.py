@@ -90,7 +90,7 @@ def lookahead_search(a: np.ndarray, sps) -> np.ndarray:
 
 
 def budget_from_survival(a_two_steps_ago: np.ndarray, sps, draft_seconds: float = 0.0,
-                         drafted_scale: float = 1.0) -> int:
+                         drafted_scale: float = 1.0, min_gain: float = 1.0) -> int:
     """Two-step rule: a step's verify budget K from the survivals of two steps ago.
 
     Global search over every K = 0..R*gamma on the real (jagged) SPS table, no early stop:
@@ -102,8 +102,9 @@ def budget_from_survival(a_two_steps_ago: np.ndarray, sps, draft_seconds: float 
     draft at all", so only K > 0 pays it: Theta(0) = R * SPS(R) is plain decoding, and a
     drafter that costs more than it saves loses to it.
 
-    drafted_scale: how much longer drafted steps really take than the tables say, relative to
-    plain ones (measured live by the caller; 1 = the tables are right).
+    drafted_scale: how much longer drafted steps really take than the tables say (measured live
+    by the caller; 1 = the tables are right). min_gain: a budget K > 0 must promise at least this
+    many times plain decoding's Theta (1 = any gain).
     """
     a = _check_survival(a_two_steps_ago)
     num_requests = a.shape[0]
@@ -113,6 +114,7 @@ def budget_from_survival(a_two_steps_ago: np.ndarray, sps, draft_seconds: float 
     drafted = token_counts > num_requests
     step_seconds = np.where(drafted, (1.0 / rates + max(float(draft_seconds), 0.0)) * drafted_scale, 1.0 / rates)
     theta = (num_requests + best_extra) / step_seconds
+    theta[0] *= max(float(min_gain), 1.0)
     return int(np.argmax(theta))  # argmax returns the first (smallest K) maximum
 
 
