@@ -75,7 +75,8 @@ def cluster(tmp_path_factory, collector):
     services = []
     try:
         drafter, d_addr = start_drafter(target, tmp, metrics_port=ports["drafter"])
-        scheduler, s_addr = start_scheduler(tmp, [], metrics_port=ports["scheduler"])
+        # Any promised gain drafts (the bare two-step rule): this test is about the metrics of drafts.
+        scheduler, s_addr = start_scheduler(tmp, [], metrics_port=ports["scheduler"], min_draft_gain=1.0)
         services += [drafter, scheduler]
         # A draft every step: on the tiny target drafting never pays, and K = 0 would skip it.
         verifier, v_addr = start_verifier(target, tmp, d_addr, s_addr, metrics_port=ports["verifier"],

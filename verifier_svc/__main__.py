@@ -53,8 +53,9 @@ def parse_args(argv=None):
     ap.add_argument("--explore", type=float, env="DSPARK_EXPLORE", default=0.05,
                     help="share of requests that verify their whole block anyway (labels for low-confidence tails)")
     ap.add_argument("--draft-probe-every", type=int, env="DSPARK_DRAFT_PROBE_EVERY", default=16,
-                    help="while the scheduler's budget is 0 the drafter is skipped but for every N-th step, whose "
-                         "confidences tell when drafting pays again (1 = draft every step)")
+                    help="while the scheduler's budget is 0 the drafter is skipped but for probes in the background, "
+                         "whose confidences tell when drafting pays again: the first on the first skipped step, then "
+                         "gaps doubling up to 4 x N steps (1 = draft every step)")
     ap.add_argument("--context-push-every", type=int, env="DSPARK_CONTEXT_PUSH_EVERY", default=0,
                     help="while no draft is asked for, push the drafter its new context every N-th step; 0 = "
                          "never (the background probes carry it, and the first draft after them the rest). "
