@@ -68,7 +68,10 @@ def parse_args(argv=None):
     ap.add_argument("--sps-warmup-s", type=float, env="DSPARK_SPS_WARMUP_S", default=10,
                     help="time budget of the SPS warm-up profile before serving (0 = none: live steps only)")
     ap.add_argument("--report-interval-s", type=float, env="DSPARK_REPORT_INTERVAL_S", default=0.5,
-                    help="how often load and step reports go to the scheduler")
+                    help="how often the load goes to the scheduler")
+    ap.add_argument("--step-report-interval-s", type=float, env="DSPARK_STEP_REPORT_INTERVAL_S", default=0.02,
+                    help="how often step reports (confidences, outcomes) go to the scheduler: the budget that "
+                         "comes back is this much older than the step")
     ap.add_argument("--default-max-tokens", type=int, env="DSPARK_DEFAULT_MAX_TOKENS", default=256)
     ap.add_argument("--max-tokens-cap", type=int, env="DSPARK_MAX_TOKENS_CAP", default=0,
                     help="largest max_tokens a request may ask for (0 = --max-len); above it: INVALID_ARGUMENT")
@@ -88,6 +91,8 @@ async def serve(args) -> None:
     slot = CoreSlot()
     if args.draft_probe_every < 1:
         raise SystemExit("--draft-probe-every must be >= 1")
+    if not args.step_report_interval_s > 0:
+        raise SystemExit("--step-report-interval-s must be > 0")
     control = BudgetControl(args.explore, args.budget_ttl_steps, args.budget_ttl_s, args.sps_warmup_s,
                               args.draft_probe_every)
 
@@ -137,7 +142,8 @@ async def serve(args) -> None:
         if drafter is not None and drafter.info.HasField("sts_temperatures"):
             register.sts_temperatures.CopyFrom(drafter.info.sts_temperatures)
         reporter = SchedulerReporter(args.scheduler_addr, register, load_fn, control.apply,
-                                     interval_s=args.report_interval_s)
+                                     interval_s=args.report_interval_s,
+                                     step_interval_s=args.step_report_interval_s)
 
     def on_step(report) -> None:  # engine thread: cheap bookkeeping only
         metrics.STEP_LATENCY.labels(metrics.batch_tokens_bucket(report.batch_tokens)).observe(report.seconds)
