@@ -88,12 +88,12 @@ class LiveOffset:
         self._z = np.empty((0, 0))
         self._verified = np.empty(0, dtype=np.int64)
         self._accepted = np.empty(0, dtype=np.int64)
+        self._in_verified = np.empty((0, 0), dtype=bool)  # [blocks, gamma]: position j < verified
         self.value = 0.0
 
     def promised(self, offset: float) -> float:
         """Draft tokens the window's blocks would be expected to accept at this offset."""
-        survival = np.cumprod(sigmoid(self._z + offset), axis=1)
-        return float(np.sum(survival * (np.arange(self._z.shape[1])[None, :] < self._verified[:, None])))
+        return float(np.sum(np.cumprod(sigmoid(self._z + offset), axis=1), where=self._in_verified))
 
     def observe(self, conf_logits, temperatures, accepted_len, verified_len) -> float:
         """Add one report's blocks (raw logits [R, gamma] + lengths; unverified rows are skipped)."""
@@ -109,8 +109,9 @@ class LiveOffset:
         self._z = np.concatenate([self._z, z[rows]])[-self.window:]
         self._verified = np.concatenate([self._verified, verified[rows]])[-self.window:]
         self._accepted = np.concatenate([self._accepted, np.asarray(accepted_len).reshape(-1)[rows]])[-self.window:]
+        self._in_verified = np.arange(z.shape[1])[None, :] < self._verified[:, None]
         target, low, high = float(self._accepted.sum()), -8.0, 8.0
-        for _ in range(40):  # promised() rises with the offset: bisection
+        for _ in range(24):  # promised() rises with the offset: bisection to 1e-6
             mid = 0.5 * (low + high)
             low, high = (mid, high) if self.promised(mid) < target else (low, mid)
         blocks = len(self._verified)

@@ -30,12 +30,11 @@ def calibrated_survival(conf_logits, temperatures=None, offset: float = 0.0) -> 
     return prefix_survival(sigmoid(z + offset) if temperatures is None else apply_sts(z, temperatures, offset))
 
 
-def verify_budget(conf_logits, temperatures, sps, draft_seconds: float = 0.0, offset: float = 0.0) -> int:
+def verify_budget(conf_logits, temperatures, sps, draft_seconds: float = 0.0) -> int:
     """The step's budget from confidences of an earlier step. sps: callable B -> target steps
     per second (an SpsTable); draft_seconds: what drafting adds to a step for these requests
-    (0 = free); offset: the verifier's live logit offset. 0 means drafting does not pay: plain
-    decoding."""
-    return budget_from_survival(calibrated_survival(conf_logits, temperatures, offset), sps, draft_seconds)
+    (0 = free). 0 means drafting does not pay: plain decoding."""
+    return budget_from_survival(calibrated_survival(conf_logits, temperatures), sps, draft_seconds)
 
 
 def pooled_survival(recent: list[np.ndarray], rows: int) -> np.ndarray:
