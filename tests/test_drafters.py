@@ -194,3 +194,34 @@ def test_load_refuses_a_different_target(target, tmp_path):
     save_drafter(drafter, tmp_path / "d")
     with pytest.raises(ValueError):
         load_drafter(tmp_path / "d", torch.zeros(64, 16), torch.zeros(64, 16))
+
+
+@pytest.mark.parametrize("kind,overrides", [("dspark", {}), ("dflash", {}), ("dspark", {"draft_vocab_size": 24}),
+                                            ("dspark", {"draft_vocab_size": 24, "markov_table": "compact"})])
+def test_greedy_fast_path_drafts_what_the_general_loop_drafts(target, sequence, kind, overrides):
+    """An all-greedy batch takes the argmax loop with W1 of draft tokens from a table; the general
+    loop (taken when logits are asked for) must give the same tokens, supports and confidences,
+    also after the weights change in place (the table is rebuilt)."""
+    tokens, features = sequence
+    drafter = make(target, kind, **overrides)
+    for r, n in (("a", 9), ("b", 17), ("c", 5)):
+        drafter.extend_context(r, features[:n], tokens[:n])
+    anchors = tokens[torch.tensor([9, 17, 5])]
+
+    def both():
+        fast = drafter.draft(["a", "b", "c"], anchors, torch.zeros(3), [None] * 3)
+        general = drafter.draft(["a", "b", "c"], anchors, torch.zeros(3), [None] * 3, return_logits=True)
+        assert torch.equal(fast.tokens, general.tokens)
+        assert torch.equal(fast.support_ids, general.support_ids)
+        assert torch.equal(fast.support_probs, general.support_probs)
+        if general.conf_logits is not None:
+            torch.testing.assert_close(fast.conf_logits, general.conf_logits)
+        return fast.tokens
+
+    before = both()
+    if drafter.head is None:
+        return
+    with torch.no_grad():  # as an optimizer step does: in place
+        for p in drafter.head.W1.parameters():
+            p.mul_(-1.5)
+    assert not torch.equal(both(), before)  # the new W1 drafts differently, and both paths agree

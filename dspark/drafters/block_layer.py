@@ -18,17 +18,22 @@ from dspark.models.layers import RMSNorm, SwiGLU, apply_rotary
 def block_attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk) -> torch.Tensor:
     """One softmax over [visible context keys ; the block's own keys].
 
-    q, k_blk, v_blk [G, n, H, g, hd]; k_ctx, v_ctx [G, H, L, hd] (heads already expanded);
-    ctx_visible [G, n, L] bool. Returns [G, n, H, g, hd]. Splitting the two key sets avoids
-    copying the context once per block.
+    q, k_blk, v_blk [G, n, H, g, hd]; k_ctx, v_ctx [G, KV, L, hd] with KV dividing H (query head h
+    reads kv head h // (H / KV)); ctx_visible [G, n, L] bool. Returns [G, n, H, g, hd]. The query
+    heads that share a kv head are stacked as rows of one matmul against it, so the context is
+    never copied per query head, and the two key sets apart, so never once per block.
     """
-    scale = q.shape[-1] ** -0.5
-    s_ctx = torch.einsum("gnhqd,ghld->gnhql", q, k_ctx) * scale
+    G, n, H, g, hd = q.shape
+    KV, L = k_ctx.shape[1], k_ctx.shape[2]
+    scale = hd ** -0.5
+    q_grouped = q.reshape(G, n, KV, (H // KV) * g, hd)
+    s_ctx = torch.einsum("gnkqd,gkld->gnkql", q_grouped, k_ctx).reshape(G, n, H, g, L) * scale
     s_ctx = s_ctx.masked_fill(~ctx_visible[:, :, None, None, :], float("-inf"))
     s_blk = torch.einsum("gnhqd,gnhkd->gnhqk", q, k_blk) * scale
     probs = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1)
-    p_ctx, p_blk = probs.split([s_ctx.shape[-1], s_blk.shape[-1]], dim=-1)
-    return torch.einsum("gnhql,ghld->gnhqd", p_ctx, v_ctx) + torch.einsum("gnhqk,gnhkd->gnhqd", p_blk, v_blk)
+    p_ctx, p_blk = probs.split([L, s_blk.shape[-1]], dim=-1)
+    out_ctx = torch.einsum("gnkql,gkld->gnkqd", p_ctx.reshape(G, n, KV, (H // KV) * g, L), v_ctx)
+    return out_ctx.reshape(G, n, H, g, hd) + torch.einsum("gnhqk,gnhkd->gnhqd", p_blk, v_blk)
 
 
 class BlockDecoderLayer(nn.Module):
@@ -66,8 +71,7 @@ class BlockDecoderLayer(nn.Module):
             return t.view(G, n, g, -1, self.head_dim).transpose(2, 3)
 
         k_blk, v_blk = self._expand_heads(blocks(k)), self._expand_heads(blocks(v))
-        out = block_attention(blocks(q), self._expand_heads(k_ctx), self._expand_heads(v_ctx), ctx_visible,
-                              k_blk, v_blk)
+        out = block_attention(blocks(q), k_ctx, v_ctx, ctx_visible, k_blk, v_blk)
         out = out.transpose(2, 3).reshape(G, n, g, self.heads * self.head_dim)
         x = x + self.o_proj(out)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -12,7 +12,7 @@ from torch import nn
 
 from dspark.drafters.base import DraftBlock, Drafter
 from dspark.drafters.block_layer import BlockDecoderLayer
-from dspark.drafters.heads import CompactTokenTable, run_teacher_forced
+from dspark.drafters.heads import CompactTokenTable, MarkovHead, run_teacher_forced
 from dspark.models.layers import RMSNorm, Rotary
 
 
@@ -113,6 +113,9 @@ class ParallelDrafter(Drafter):
     def sample_block(self, hidden, anchors, temperatures, generators, forced_tokens, return_logits) -> DraftBlock:
         """Left to right: x_k ~ q_k from U_k (+ B_k(x_{k-1})), x_0 = the anchor."""
         base = self.draft_logits(hidden)
+        if (forced_tokens is None and not return_logits and bool((temperatures <= 0).all())
+                and (self.head is None or isinstance(self.head, MarkovHead))):
+            return self._greedy_block(hidden, base, anchors)
         state = self.head.init_state(hidden.shape[0], hidden) if self.head is not None else None
         prev = anchors
         tokens, confs, ids, probs, all_logits = [], [], [], [], []
@@ -132,6 +135,43 @@ class ParallelDrafter(Drafter):
             conf_logits=torch.stack(confs, 1).float() if confs else None,
             support_ids=torch.stack(ids, 1), support_probs=torch.stack(probs, 1).float(),
             logits=torch.stack(all_logits, 1).float() if return_logits else None)
+
+    def _greedy_block(self, hidden, base, anchors) -> DraftBlock:
+        """sample_block when every request is greedy and the head keeps no state (the common serving
+        case), in a few ops a slot instead of ~100: x_k = argmax(U_k + W2 W1[x_{k-1}]); W1 of a draft
+        token comes from a table built once (every slot after the first follows a draft token), and
+        the confidence's h_k part is computed for all slots at once. Same tokens and support."""
+        R = hidden.shape[0]
+        prev_emb = self.prev_embedding(anchors) if self.head is not None else None
+        rows = self._draft_token_rows() if self.head is not None else None
+        conf_h, w_prev = self.confidence_head.split(hidden) if self.confidence_head is not None else (None, None)
+        picks, confs = [], []
+        for k in range(self.gamma):
+            logits = base[:, k] if self.head is None else base[:, k] + self.head.W2(prev_emb)
+            if conf_h is not None:
+                confs.append(conf_h[:, k] if prev_emb is None else conf_h[:, k] + prev_emb @ w_prev)
+            pick = logits.argmax(-1)
+            picks.append(pick)
+            if rows is not None:
+                prev_emb = rows[pick]
+        tokens = self.draft_vocab[torch.stack(picks, 1)]
+        # The general loop's greedy support: the token with probability 1, padded with draft id 0.
+        support = min(self.cfg.support_size, base.shape[-1])
+        support_ids = self.draft_vocab[0].expand(R, self.gamma, support).clone()
+        support_ids[..., 0] = tokens
+        support_probs = torch.zeros(R, self.gamma, support, device=hidden.device)
+        support_probs[..., 0] = 1.0
+        return DraftBlock(tokens=tokens, conf_logits=torch.stack(confs, 1).float() if confs else None,
+                          support_ids=support_ids, support_probs=support_probs)
+
+    def _draft_token_rows(self) -> torch.Tensor:
+        """W1 of every draft-vocabulary token [V', r], rebuilt when W1's weights change (training
+        updates them in place, which bumps their version)."""
+        key = tuple((p.data_ptr(), p._version) for p in self.head.W1.parameters())
+        cached = self.__dict__.get("_token_rows")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_token_rows"] = (key, self.prev_embedding(self.draft_vocab))
+        return cached[1]
 
 
 DFlashDrafter = ParallelDrafter

@@ -91,16 +91,28 @@ class RNNHead(nn.Module):
         return torch.stack(biases, 1)
 
 
+class ScoreLinear(nn.Linear):
+    """A one-output projection. Not an nn.Linear to `apply_precision` (its type check is exact), so
+    it stays fp32 under every precision: a quantized kernel for one output column buys nothing."""
+
+
 class ConfidenceHead(nn.Module):
     """Raw logit z_k with c_k = sigmoid(z_k) = sigmoid(w . [h_k; W1[x_{k-1}]] + b)."""
 
     def __init__(self, hidden_size: int, rank: int):
         super().__init__()
-        self.proj = nn.Linear(hidden_size + rank, 1)
+        self.hidden_size = hidden_size
+        self.proj = ScoreLinear(hidden_size + rank, 1)
 
     def forward(self, h_k: torch.Tensor, prev_embedding: torch.Tensor | None) -> torch.Tensor:
         x = h_k if prev_embedding is None else torch.cat([h_k, prev_embedding], dim=-1)
         return self.proj(x).squeeze(-1)
+
+    def split(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafting: the w_h . h_k + b part of every slot at once ([..., g]) and the weights of the
+        W1 part ([r]), so a slot adds one dot product: z_k = part[..., k] + W1[x_{k-1}] . w_p."""
+        w, d = self.proj.weight[0], self.hidden_size
+        return h @ w[:d] + self.proj.bias[0], w[d:]
 
 
 def run_teacher_forced(head, confidence: ConfidenceHead | None, h: torch.Tensor, prev_emb: torch.Tensor | None):

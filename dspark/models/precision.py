@@ -104,9 +104,11 @@ class Int8Linear(nn.Module):
         self.reduce_range = not has_vnni()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Few ops on purpose: at one row each costs as much as the matmul's own overhead.
+        # Few ops on purpose: at one row each costs as much as the matmul's own overhead. max |x| as
+        # abs().amax(): the same value as vector_norm(x, inf), which took 17-23x as long here (AVX-512
+        # EPYC: 99 vs 5.7 us at 56 x 576, 254 vs 11 us at 56 x 1536).
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        row_max = torch.linalg.vector_norm(flat, float("inf"), dim=-1, keepdim=True).clamp_min_(1e-12)
+        row_max = flat.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-12)
         y = torch.ops.quantized.linear_dynamic(torch.cat([flat / row_max, self.guard]), self.packed,
                                                 self.reduce_range)[:-1]
         y = y.mul_(row_max) if self.bias is None else torch.addcmul(self.bias, y, row_max)
