@@ -3,15 +3,18 @@ verifier, scheduler as separate processes, gRPC) at each concurrency, for plain 
 fixed k = 1, 3, 7 and the scheduler (two-step rule, method.md 5), in one run.
 
     python benchmarks/concurrency.py [--concurrency 1 2 4 8 16 32] [--max-tokens 32]
-                                     [--requests-per-client 1] [--repeats 3] [--drafter DIR]
+                                     [--seconds 6] [--repeats 3] [--drafter DIR]
 
 All configurations run at once, each as its own scheduler + verifier (sharing one drafter
 service), so they are measured side by side. Every stack first serves some traffic unmeasured
 (steady state: the online calibration and the live SPS tables have learned); then each
 concurrency level warms every stack up at that load (unmeasured), then runs `--repeats` rounds
-over the stacks in rotating order and keeps each stack's median round. A round is `c` client threads, each sending
-its requests one after another
-(closed loop); greedy, prompts from datasets/eval (first turns). The drafter is the
+over the stacks in rotating order and keeps each stack's median round. A round is `c` client
+threads, each sending requests one after another for `--seconds` (closed loop; a request
+started before the deadline runs to its end), so a level measures a steady load over many
+prompts rather than one batch whose slowest request decides the wall time (`--seconds 0`: one
+request per client). Greedy, prompts from datasets/eval (first turns), each client walking
+through them from its own offset. The drafter is the
 shipped DSpark checkpoint. Prints the table, checks that every configuration produced the same
 greedy text (lossless), writes benchmarks/results/concurrency.{json,png}.
 """
@@ -49,7 +52,10 @@ def eval_prompts(count: int, eval_dir: Path) -> list[str]:
     return [pools[i % len(pools)][i // len(pools)] for i in range(count)]
 
 
-def run_level(address: str, concurrency: int, prompts: list[str], per_client: int, max_tokens: int) -> dict:
+def run_level(address: str, concurrency: int, prompts: list[str], per_client: int, max_tokens: int,
+              seconds: float = 0.0) -> dict:
+    """c clients, each sending `per_client` requests one after another, or as many as start within
+    `seconds` when that is > 0. Request i of client c uses prompt (c + i * concurrency) mod |prompts|."""
     from dspark_client import Client, RetryPolicy
 
     records, errors = [], []
@@ -62,8 +68,10 @@ def run_level(address: str, concurrency: int, prompts: list[str], per_client: in
 
     def client_loop(c: int) -> None:
         with clients[c] as client:
-            for i in range(per_client):
-                index = (c * per_client + i) % len(prompts)
+            i = 0
+            while (time.perf_counter() < deadline) if seconds > 0 else (i < per_client):
+                index = ((c * per_client + i) if seconds <= 0 else (c + i * concurrency)) % len(prompts)
+                i += 1
                 start = time.perf_counter()
                 try:
                     result = client.generate(messages=[{"role": "user", "content": prompts[index]}],
@@ -78,6 +86,7 @@ def run_level(address: str, concurrency: int, prompts: list[str], per_client: in
 
     threads = [threading.Thread(target=client_loop, args=(c,)) for c in range(concurrency)]
     start = time.perf_counter()
+    deadline = start + seconds
     for t in threads:
         t.start()
     for t in threads:
@@ -135,7 +144,8 @@ def measure(stacks: dict, args, prompts) -> dict[str, list[dict]]:
         rounds = {name: [] for name in names}
         for r in range(args.repeats):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                rounds[name].append(run_level(stacks[name], c, prompts, args.requests_per_client, args.max_tokens))
+                rounds[name].append(run_level(stacks[name], c, prompts, args.requests_per_client, args.max_tokens,
+                                              args.seconds))
         for name in names:
             row = sorted(rounds[name], key=lambda x: x["total_tps"])[len(rounds[name]) // 2]
             row["spread"] = (min(x["total_tps"] for x in rounds[name]), max(x["total_tps"] for x in rounds[name]))
@@ -174,7 +184,10 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--drafter", default="", help="DSpark checkpoint dir (default: the shipped one)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    ap.add_argument("--requests-per-client", type=int, default=1)
+    ap.add_argument("--seconds", type=float, default=6.0,
+                    help="a round: each client sends requests back to back for this long (0: one each)")
+    ap.add_argument("--requests-per-client", type=int, default=1, help="with --seconds 0")
+    ap.add_argument("--prompts", type=int, default=40, help="eval prompts the clients walk through")
     ap.add_argument("--repeats", type=int, default=3, help="measured rounds per configuration and concurrency")
     ap.add_argument("--warmup-concurrency", type=int, default=4)
     ap.add_argument("--warmup-requests", type=int, default=6, help="per client, before any measurement")
@@ -190,10 +203,11 @@ def main(argv=None) -> None:
     from dspark.drafters.shipped import default_drafter_dir
 
     checkpoint = args.drafter or str(default_drafter_dir(args.model))
-    prompts = eval_prompts(max(args.concurrency) * args.requests_per_client, args.eval_dir)
+    prompts = eval_prompts(max(args.prompts, max(args.concurrency) * args.requests_per_client), args.eval_dir)
     log_dir = Path(tempfile.mkdtemp(prefix="concurrency-bench-"))
+    per_round = f"{args.seconds:g} s of requests" if args.seconds > 0 else f"{args.requests_per_client} requests"
     print(f"{args.model}, drafter {checkpoint}, {args.max_tokens} tokens per request, greedy, "
-          f"{args.requests_per_client} requests per client; service logs in {log_dir}", flush=True)
+          f"{per_round} per client a round; service logs in {log_dir}", flush=True)
     drafter, d_addr = start_drafter(args.model, log_dir, checkpoint=checkpoint, gamma=7, num_layers=2,
                                     max_batch=max(args.concurrency))
     services, stacks = [drafter], {}
@@ -210,7 +224,9 @@ def main(argv=None) -> None:
 
     names = list(results)
     reference = results[names[0]]
-    identical = all(row["outputs"] == ref["outputs"] for name in names for row, ref in zip(results[name], reference))
+    # Rounds of a time budget serve different prompt sets: compare the prompts both served.
+    identical = all(row["outputs"][p] == ref["outputs"][p] for name in names
+                    for row, ref in zip(results[name], reference) for p in row["outputs"].keys() & ref["outputs"].keys())
     print(f"\ntotal tokens/s (per-request tokens/s), OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
     print(f"{'concurrency':>11} " + " ".join(f"{n:>18}" for n in names))
     for i, c in enumerate(args.concurrency):
@@ -234,7 +250,8 @@ def main(argv=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {n: [{k: v for k, v in row.items() if k != "outputs"} for row in rows] for n, rows in results.items()}
     out.with_suffix(".json").write_text(json.dumps(dict(model=args.model, drafter=checkpoint,
-                                                        max_tokens=args.max_tokens, identical_outputs=identical,
+                                                        max_tokens=args.max_tokens, seconds=args.seconds,
+                                                        identical_outputs=identical,
                                                         results=summary), indent=1))
     plot(results, out.with_suffix(".png"),
          f"{args.model} + DSpark through the services ({args.max_tokens} tokens/request, greedy)")
