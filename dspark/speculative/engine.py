@@ -145,7 +145,8 @@ class SpecEngine(Engine):
         if spec.drafter_synced < seq.cached:
             feats = spec.features(spec.drafter_synced, seq.cached)
             toks = host_values(seq.tokens[spec.drafter_synced:seq.cached], torch.long, self.model.device)
-            self.drafter.extend_context(seq.req_id, feats.float(), toks)
+            # As logged (bf16): each drafter widens them itself, a remote one sends them as they are.
+            self.drafter.extend_context(seq.req_id, feats, toks)
             sent, spec.drafter_synced = seq.cached - spec.drafter_synced, seq.cached
             return sent
         return 0
