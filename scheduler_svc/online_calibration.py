@@ -37,7 +37,11 @@ class OnlineCalibrator:
         self.priors: dict[str, np.ndarray] = {}  # drafter version -> its shipped STS temperatures
         self._delta: dict[str, OnlineCalibrationStats] = {}
         self._delta_reports: dict[str, int] = {}
-        self._since_fit: dict[str, int] = {}  # reports this replica saw since its last refit
+        # Reports this replica flushed to the store since its last refit. Counted at the flush, not on
+        # arrival: a report that lands while a tick awaits the store stays in the next delta, and
+        # counting it on arrival let the refit after that flush reset the count without it in the
+        # store, so the fit missed it until some later report came (a test's final refit never did).
+        self._since_fit: dict[str, int] = {}
         self._last_fit_at: dict[str, float] = {}
         self.fits: dict[str, Fit] = {}  # newest fit known here, per drafter version
         self._refused: set[str] = set()
@@ -52,7 +56,6 @@ class OnlineCalibrator:
             self._delta_reports[drafter_version] = 0
         delta.add(conf_logits, np.asarray(accepted_len), np.asarray(verified_len))
         self._delta_reports[drafter_version] += 1
-        self._since_fit[drafter_version] = self._since_fit.get(drafter_version, 0) + 1
         metrics.CALIBRATION_REPORTS.inc()
 
     def calibration(self, drafter_version: str) -> load_pb2.Calibration | None:
@@ -90,6 +93,7 @@ class OnlineCalibrator:
             delta, reports = self._delta.pop(version), self._delta_reports.pop(version)
             try:
                 await self.store.add(version, delta, reports)
+                self._since_fit[version] = self._since_fit.get(version, 0) + reports
             except LayoutMismatch as error:
                 if version not in self._refused:
                     log.error("dropping calibration reports: %s", error)

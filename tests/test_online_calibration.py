@@ -8,6 +8,7 @@ replies; the fit must calibrate as well as the offline fit_sts on the same traff
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.request
@@ -26,7 +27,8 @@ from dspark.sched.metrics import per_position_calibration
 from dspark.sched.prefix_scheduler import budget_from_survival
 from dspark.sched.verify_budget import calibrated_survival, pooled_survival, verify_budget
 from scheduler_svc.budget_planner import seconds_table
-from scheduler_svc.calibration_store import bins_key, sts_key
+from scheduler_svc.calibration_store import RedisCalibrationStore, bins_key, sts_key
+from scheduler_svc.online_calibration import OnlineCalibrator
 
 pytestmark = pytest.mark.slow
 VERSION = "synthetic-dspark-v1"
@@ -276,3 +278,30 @@ def test_checked_outcomes_move_the_verifiers_offset_and_bad_ones_are_refused(sch
         assert stub.ReportStep(report("checked-0", 100, z[:2], [0, 0], [1, 1]), timeout=RPC_S).decided
     finally:
         channel.close()
+
+
+def test_a_report_that_lands_during_a_flush_is_in_the_next_refit(redis_server):
+    """A report that arrives while the calibrator's tick waits on Redis goes out with the next
+    flush, and that tick refits on it: the fit ends up on every report, with no later traffic."""
+    import redis.asyncio as aioredis
+
+    logits, accepted, verified = overconfident_traffic(seed=5, num=2000)
+    first, second = np.array_split(np.arange(len(logits)), 2)
+    version = "flush-race-v1"
+
+    async def run():
+        client = aioredis.Redis(port=redis_server.port, decode_responses=True)
+        calibrator = OnlineCalibrator(RedisCalibrationStore(client), refit_reports=1, refit_s=0.0, min_samples=100)
+        calibrator.add(version, logits[first], accepted[first], verified[first])
+        tick = asyncio.create_task(calibrator.tick())
+        await asyncio.sleep(0)  # the tick is now inside its flush, waiting on Redis
+        calibrator.add(version, logits[second], accepted[second], verified[second])
+        await tick
+        await calibrator.tick()
+        await client.aclose()
+        return calibrator.fits[version]
+
+    fit = asyncio.run(run())
+    expected = OnlineCalibrationStats(GAMMA)
+    expected.add(logits, accepted, verified)
+    np.testing.assert_array_equal(fit.samples, expected.num_samples)
