@@ -21,6 +21,7 @@ greedy text (lossless), writes benchmarks/results/concurrency.{json,png}.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -68,10 +69,10 @@ def run_level(address: str, concurrency: int, prompts: list[str], per_client: in
 
     def client_loop(c: int) -> None:
         with clients[c] as client:
-            i = 0
-            while (time.perf_counter() < deadline) if seconds > 0 else (i < per_client):
-                index = ((c * per_client + i) if seconds <= 0 else (c + i * concurrency)) % len(prompts)
-                i += 1
+            for i in itertools.count():
+                if (time.perf_counter() >= deadline) if seconds > 0 else (i >= per_client):
+                    return
+                index = (c + i * concurrency) % len(prompts)
                 start = time.perf_counter()
                 try:
                     result = client.generate(messages=[{"role": "user", "content": prompts[index]}],
