@@ -16,6 +16,7 @@ from drafter_svc.service import DrafterService
 from dspark.device import add_device_flag, describe, device_or_exit
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.drafters.checkpoint import load_calibration, load_config, load_drafter
+from dspark.drafters.lookup import LookupDrafter
 from dspark.models.config import spread_layers
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag, apply_precision
@@ -45,6 +46,9 @@ def parse_args(argv=None):
                     help="context positions of one sequence (the verifiers' --max-len)")
     ap.add_argument("--max-contexts-per-stream", type=int, env="DSPARK_MAX_CONTEXTS_PER_STREAM", default=0,
                     help="contexts one verifier stream may hold; least recently used evicted past it (0 = 2 x --max-batch)")
+    ap.add_argument("--lookup", env="DSPARK_LOOKUP", default="on", choices=["on", "off"],
+                    help="on: prompt lookup first (a request whose text repeats gets what followed before, "
+                         "lossless like any draft; dspark/drafters/lookup.py), the drafter for the rest")
     add_precision_flag(ap)
     add_device_flag(ap)
     ap.set_defaults(max_message_mb=0.0)  # 0 = derived from the limits above (see message_mb)
@@ -82,7 +86,7 @@ def load(args):
                                        version=f"random-{args.kind}-{args.seed}")
         drafter = build_drafter(cfg, embed, lm_head).to(args.device).eval()
     log.info("drafter matmuls on %s kernels", apply_precision(drafter, args.precision))
-    return drafter, name
+    return (LookupDrafter(drafter) if args.lookup == "on" else drafter), name
 
 
 async def serve(args) -> None:
@@ -101,8 +105,9 @@ async def serve(args) -> None:
     if args.checkpoint and service.drafter.has_confidence:
         service.sts_temperatures = load_calibration(args.checkpoint, service.drafter.version)
     metrics.report_device("drafter", describe(args.device))
-    log.info("drafter %s (version %s, gamma %d, layers %s) for %s on %s; shipped STS temperatures: %s",
-             service.drafter.kind, service.drafter.version, service.drafter.gamma, service.drafter.ctx_layers,
+    log.info("drafter %s%s (version %s, gamma %d, layers %s) for %s on %s; shipped STS temperatures: %s",
+             service.drafter.kind, " + prompt lookup" if args.lookup == "on" else "", service.drafter.version,
+             service.drafter.gamma, service.drafter.ctx_layers,
              service.target_model, describe(args.device), service.sts_temperatures)
     await app.set_serving()
     await app.wait_for_termination()

@@ -9,6 +9,7 @@ import argparse
 import time
 
 from dspark.device import add_device_flag, describe, device_or_exit
+from dspark.drafters.lookup import LookupDrafter
 from dspark.drafters.shipped import load_drafter_for
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag
@@ -25,6 +26,8 @@ def main(argv=None):
     ap.add_argument("--drafter", default="dspark", help="dspark | dflash | eagle3 | none | a checkpoint directory")
     ap.add_argument("--draft-len", type=int, default=None,
                     help="draft tokens verified per request per step (default: the block size)")
+    ap.add_argument("--lookup", default="on", choices=["on", "off"],
+                    help="prompt lookup in front of the drafter (dspark/drafters/lookup.py)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
@@ -36,6 +39,8 @@ def main(argv=None):
     threads = configure_threads()
     loaded = load_model(args.model, device=device, precision=args.precision)
     drafter = load_drafter_for(loaded, args.drafter, args.precision)
+    if drafter is not None and args.lookup == "on":
+        drafter = LookupDrafter(drafter)
     print(f"[{loaded.name}: {loaded.model.precision} matmuls on {describe(device)}, {threads} CPU threads]", flush=True)
     policy = FixedDraftLen(args.draft_len if args.draft_len is not None else (drafter.gamma if drafter else 0))
     engine = SpecEngine(loaded.model, drafter, policy, max_batch=4, max_len=2048)
@@ -51,7 +56,8 @@ def main(argv=None):
         printed = len(text)
     elapsed = time.perf_counter() - start
     m = seq.spec.metrics
-    label = f"{drafter.kind} drafter" if drafter else "no drafter (plain decoding)"
+    lookup = " + prompt lookup" if args.lookup == "on" else ""
+    label = f"{drafter.kind} drafter{lookup}" if drafter else "no drafter (plain decoding)"
     print(f"\n\n[{loaded.name}, {label}] {len(seq.output)} tokens in {elapsed:.2f}s = "
           f"{len(seq.output) / elapsed:.1f} tokens/s; acceptance length tau = {m.acceptance_length:.2f} "
           f"({m.accepted_tokens}/{m.draft_tokens} draft tokens accepted); finish: {seq.finish.value}")

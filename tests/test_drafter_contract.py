@@ -1,7 +1,8 @@
-"""Every drafter the speculative loop can be given meets DrafterContract: the three local ones and
-the verifier's client of a remote drafter service. Checked on the classes (a remote drafter only
-knows its gamma once connected), member by member: properties stay properties, and each method
-takes the contract's parameters, in order, with any extras optional."""
+"""Every drafter the speculative loop can be given meets DrafterContract: the three local ones,
+prompt lookup in front of any of them, and the verifier's client of a remote drafter service.
+Checked on the classes (a remote drafter only knows its gamma once connected), member by member:
+properties stay properties, and each method takes the contract's parameters, in order, with any
+extras optional."""
 from __future__ import annotations
 
 import inspect
@@ -10,6 +11,7 @@ import pytest
 
 from dspark.drafters import DFlashDrafter, DSparkDrafter, Eagle3Drafter
 from dspark.drafters.contract import DrafterContract
+from dspark.drafters.lookup import LookupDrafter
 from verifier_svc.remote_drafter import RemoteDrafter
 
 MEMBERS = [name for name in vars(DrafterContract) if not name.startswith("_")]
@@ -20,7 +22,7 @@ def test_the_contract_names_what_the_loop_uses():
                             "rollback", "release", "push", "probe", "probe_result", "draft"}
 
 
-@pytest.mark.parametrize("cls", [DSparkDrafter, DFlashDrafter, Eagle3Drafter, RemoteDrafter])
+@pytest.mark.parametrize("cls", [DSparkDrafter, DFlashDrafter, Eagle3Drafter, RemoteDrafter, LookupDrafter])
 def test_drafter_meets_the_contract(cls):
     for name in MEMBERS:
         want, have = inspect.getattr_static(DrafterContract, name), inspect.getattr_static(cls, name, None)

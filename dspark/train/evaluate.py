@@ -10,6 +10,7 @@ For DSpark also: AUROC and ECE per position before and after STS, and reliabilit
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +91,7 @@ def confidence_quality(run: Run, temperatures: np.ndarray | None) -> dict:
 
 
 def main(argv=None):
+    from dspark.drafters.lookup import LookupDrafter
     from dspark.drafters.shipped import load_drafter_for
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,6 +103,9 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lookup", default="off", choices=["off", "on", "both"],
+                    help="also (or only) each drafter behind prompt lookup, as '<kind>+lookup' "
+                         "(dspark/drafters/lookup.py)")
     ap.add_argument("--eval-dir", type=Path, default=EVAL_DIR, help="folder of <dataset>.jsonl eval prompts")
     add_device_flag(ap)
     args = ap.parse_args(argv)
@@ -113,14 +118,17 @@ def main(argv=None):
     # Drafters can be evaluated in separate runs into one --out: results accumulate per drafter.
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    total = len(args.drafters) * len(args.temperatures) * sum(len(p) for p in prompts.values()) * args.max_tokens
+    variants = {"off": [False], "on": [True], "both": [False, True]}[args.lookup]
+    runs = len(args.drafters) * len(variants) * len(args.temperatures)
+    total = runs * sum(len(p) for p in prompts.values()) * args.max_tokens
     bar = tqdm(total=total, desc="eval", unit="tok")
     reliability = {}
-    for path in args.drafters:
-        drafter = load_drafter_for(loaded, path)
+    for path, lookup in itertools.product(args.drafters, variants):
+        module = load_drafter_for(loaded, path)
         temps = _load_temperatures(Path(path))
-        name = f"{drafter.kind}"
+        name = f"{module.kind}{'+lookup' if lookup else ''}"
         for temperature in args.temperatures:
+            drafter = LookupDrafter(module) if lookup else module  # lookup's statistics start afresh
             combined = Run()
             for dataset, ps in prompts.items():
                 run = run_drafter(loaded.model, drafter, ps, temperature, args.max_tokens, args.batch,

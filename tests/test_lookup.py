@@ -1,0 +1,135 @@
+"""Prompt lookup in front of a drafter: the n-gram index, its confidences, and that the target's
+output is unchanged (greedy identical, sampled in distribution, seeded requests replay)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.drafters.lookup import NO_GUESS, LookupDrafter, LookupStats
+from dspark.drafters.ngram_index import NgramIndex
+from dspark.sampling import SamplingParams
+from dspark.speculative.engine import SpecEngine
+from dspark.speculative.policy import FixedDraftLen
+from tests.spec_helpers import greedy_reference, random_drafter, tiny_target
+from tests.test_spec_decoding import _first_tokens, prompts_of
+
+
+def index_of(tokens, min_n=2, max_n=4):
+    index = NgramIndex(min_n, max_n)
+    index.append(tokens)
+    return index
+
+
+def test_continuation_follows_the_longest_earlier_match():
+    # suffix (1, 2, 3) ended at position 2 before: what followed it is 4, 5, 1
+    assert index_of([1, 2, 3, 4, 5, 1, 2]).continuation(3, 3) == ([4, 5, 1], 3)
+    # (9, 2) never occurred, nor (2,) is long enough with min_n = 2
+    assert index_of([1, 2, 3, 4, 5, 9]).continuation(2, 3) == ([], 0)
+
+
+def test_continuation_prefers_the_latest_occurrence_and_the_longest_n():
+    # (5, 6) ended at 1 (then 7) and at 5 (then 8): the latest wins
+    assert index_of([5, 6, 7, 1, 5, 6, 8, 2, 5]).continuation(6, 1) == ([8], 2)
+    # (1, 5, 6) is longer than (5, 6) and ended at 2 (then 9), though (5, 6) recurs later (then 8)
+    assert index_of([1, 5, 6, 9, 0, 5, 6, 8, 1, 5]).continuation(6, 1) == ([9], 3)
+
+
+def test_continuation_follows_a_loop_round():
+    # only four tokens of history, yet a guess of five: the loop is re-matched as it grows
+    assert index_of([7, 8, 7, 8]).continuation(7, 5) == ([8, 7, 8, 7, 8], 3)
+
+
+def test_truncate_forgets_ngrams_past_the_new_length():
+    index = index_of([1, 2, 3, 4, 1, 2])
+    index.truncate(3)
+    assert index.tokens == [1, 2, 3]
+    assert index.continuation(4, 2) == ([], 0)  # (3, 4) is gone with the truncated tokens
+    assert index.continuation(1, 2) == ([], 0)
+    index.append([1])
+    assert index.continuation(2, 2) == ([3, 1], 2)
+
+
+def test_stats_count_conditional_outcomes_per_match_length():
+    stats = LookupStats(max_n=4, gamma=3)
+    stats.record(2, [5, 6, 7], [5, 9, 7])  # 1st confirmed, 2nd not: the 3rd is not counted
+    stats.record(2, [5, 6, 7], [5])  # only the 1st decided so far
+    assert stats.hits[2] == [2, 0, 0] and stats.tries[2] == [2, 1, 0]
+    logits = stats.logits(2, length=2)
+    assert logits[0] > 0 > logits[1]  # 3/4 vs 1/3 with the Beta(1, 1) prior
+    assert logits[2] == NO_GUESS  # past the guess
+
+
+def repetitive_prompts(count, vocab=64):
+    """Prompts that repeat a phrase, so lookup has something to find from the first step on."""
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(3, vocab, (4 + i % 3,), generator=g).tolist() * 3)[: 9 + i] for i in range(count)]
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+@pytest.mark.parametrize("concurrent", [1, 8])
+def test_greedy_identical_with_lookup(kind, concurrent):
+    target = tiny_target()
+    prompts = repetitive_prompts(concurrent) if concurrent > 1 else prompts_of([12])
+    max_tokens = [40, 25, 33, 18, 40, 29, 11, 37][:concurrent]
+    drafter = LookupDrafter(random_drafter(target, kind))
+    engine = SpecEngine(target, drafter, FixedDraftLen(4), max_batch=8, max_len=256)
+    seqs = engine.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
+    for seq, m, p in zip(seqs, max_tokens, prompts):
+        assert seq.output == greedy_reference(target, [p], m)[0]
+    assert sum(map(sum, drafter.stats.tries)) > 0  # lookup drafted ...
+    assert sum(map(sum, drafter.stats.hits)) > 0  # ... and some of it was right
+
+
+def test_lookup_blocks_carry_point_masses_and_earned_confidences():
+    target = tiny_target()
+    drafter = LookupDrafter(random_drafter(target, "dspark", gamma=4))
+    features = torch.zeros(6, len(drafter.ctx_layers) * target.config.hidden_size)
+    drafter.extend_context("a", features, torch.tensor([3, 4, 5, 6, 3, 4]))
+    drafter.extend_context("b", features, torch.tensor([10, 11, 12, 13, 14, 15]))
+    block = drafter.draft(["a", "b"], torch.tensor([5, 16]), torch.zeros(2), [None, None])
+    assert block.tokens[0].tolist() == [6, 3, 4, 5]  # (4, 5) -> 6, 3, 4, then the loop goes round
+    assert block.support_ids[0, :, 0].tolist() == [6, 3, 4, 5]
+    assert block.support_probs[0, :, 0].tolist() == [1.0] * 4 and block.support_probs[0, :, 1:].sum() == 0
+    assert block.conf_logits[0].tolist() == [0.0] * 4  # nothing earned yet: p = 1/2
+    assert block.support_probs[1].sum(-1).allclose(torch.ones(4))  # b: the drafter's own block
+    # The target decides 6, 3, 9: lookup's first two guesses were right, the third wrong.
+    drafter.extend_context("a", features[:3], torch.tensor([5, 6, 3]))
+    drafter.draft(["a"], torch.tensor([9]), torch.zeros(1), [None])
+    assert drafter.stats.hits[3][:3] == [1, 1, 0] and drafter.stats.tries[3][:3] == [1, 1, 1]
+
+
+def test_sampled_first_tokens_match_plain_sampling_with_lookup():
+    """Chi-square homogeneity, as for the drafter alone: point-mass drafts keep the target's law."""
+    from scipy.stats import chi2_contingency
+
+    from dspark.engine.generate import Engine
+
+    target = tiny_target(vocab=8, seed=5, layers=2, sharpness=3.0)
+    drafter = LookupDrafter(random_drafter(target, "dspark", gamma=3, seed=6, support_size=4))
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # the suffix (1, 2) recurs: lookup drafts the first block
+    n, params = 20_000, dict(temperature=1.0)
+    plain = _first_tokens(lambda: Engine(target, max_batch=2000, max_len=24), prompt, params, n)
+    spec = _first_tokens(lambda: SpecEngine(target, drafter, FixedDraftLen(3), max_batch=2000, max_len=24),
+                         prompt, params, n)
+    assert sum(map(sum, drafter.stats.tries)) > 0
+    common = [k for k in sorted(set(plain) | set(spec)) if plain.get(k, 0) + spec.get(k, 0) >= 40]
+    table = [[counts.get(k, 0) for k in common] + [n - sum(counts.get(k, 0) for k in common)]
+             for counts in (plain, spec)]
+    _, p_value, _, _ = chi2_contingency(table)
+    assert len(common) >= 10
+    assert p_value > 0.001, (p_value, table)
+
+
+def test_seeded_requests_replay_with_lookup_whatever_runs_beside_them():
+    target = tiny_target(sharpness=3.0)
+    prompts = repetitive_prompts(4)
+
+    def run(batch):
+        drafter = LookupDrafter(random_drafter(target, "dspark", support_size=4))
+        engine = SpecEngine(target, drafter, FixedDraftLen(4), max_batch=8, max_len=256)
+        seqs = engine.generate(batch, [SamplingParams(max_tokens=30, temperature=0.9, seed=7)] * len(batch))
+        return seqs[0].output
+
+    alone = run(prompts[:1])
+    assert run(prompts[:1]) == alone
+    assert run(prompts) == alone
