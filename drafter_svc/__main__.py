@@ -46,9 +46,9 @@ def parse_args(argv=None):
                     help="context positions of one sequence (the verifiers' --max-len)")
     ap.add_argument("--max-contexts-per-stream", type=int, env="DSPARK_MAX_CONTEXTS_PER_STREAM", default=0,
                     help="contexts one verifier stream may hold; least recently used evicted past it (0 = 2 x --max-batch)")
-    ap.add_argument("--lookup", env="DSPARK_LOOKUP", default="on", choices=["on", "off"],
-                    help="on: prompt lookup first (a request whose text repeats gets what followed before, "
-                         "lossless like any draft; dspark/drafters/lookup.py), the drafter for the rest")
+    ap.add_argument("--lookup", env="DSPARK_DRAFTER_LOOKUP", default="off", choices=["on", "off"],
+                    help="on: prompt lookup here, before the drafter (for verifiers that do not look up "
+                         "themselves; a verifier does by default, with no round trip: its --lookup)")
     add_precision_flag(ap)
     add_device_flag(ap)
     ap.set_defaults(max_message_mb=0.0)  # 0 = derived from the limits above (see message_mb)

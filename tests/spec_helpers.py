@@ -52,6 +52,9 @@ class OracleDrafter:
     def push(self):
         pass
 
+    def free_draft(self, req_ids, anchors):
+        return None
+
     def draft(self, req_ids, anchors, temperatures, generators):
         rows = []
         for r in req_ids:

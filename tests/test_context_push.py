@@ -219,3 +219,28 @@ def test_a_verifier_whose_budget_is_zero_probes_in_the_background(drafter_servic
     for r in checked:
         assert r.checked_conf.shape == (len(r.checked_verified), remote.gamma)
         assert all(0 <= a <= v <= remote.gamma and v >= 1 for a, v in zip(r.checked_accepted, r.checked_verified))
+
+
+def test_lookup_in_front_of_the_remote_drafter_skips_the_round_trip_and_keeps_the_text(drafter_service, remote):
+    """The verifier's prompt lookup: blocks it answers never go to the drafter service, whose context
+    catches up when it is next asked; the greedy text is the target's."""
+    from dspark.drafters.lookup import LookupDrafter
+    from dspark.engine.generate import Engine
+    from dspark.models.loader import load_model
+    from dspark.speculative.engine import SpecEngine
+    from dspark.speculative.policy import FixedDraftLen
+
+    target = load_model(str(drafter_service[0])).model
+    prompts = [[5, 9, 11, 3, 5, 9, 11, 3, 5, 9], [7, 2, 8, 4, 7, 2, 8]]  # repeated phrases: lookup finds them
+    reference = [s.output for s in Engine(target, max_batch=2, max_len=128).generate(
+        prompts, SamplingParams(max_tokens=24))]
+    drafter = LookupDrafter(remote)
+    engine = SpecEngine(target, drafter, FixedDraftLen(3), max_batch=2, max_len=128)
+    seqs = [engine.add(p, SamplingParams(max_tokens=24)) for p in prompts]
+    drafted = 0
+    while engine.has_work():
+        engine.step()
+        drafted += engine.last_report.drafted
+    assert [s.output for s in seqs] == reference
+    drafts_sent = sum(not r.context_only for r in remote.sent)
+    assert sum(map(sum, drafter.stats.tries)) > 0 and drafts_sent < drafted  # some steps never asked the service

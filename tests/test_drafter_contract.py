@@ -19,7 +19,7 @@ MEMBERS = [name for name in vars(DrafterContract) if not name.startswith("_")]
 
 def test_the_contract_names_what_the_loop_uses():
     assert set(MEMBERS) == {"gamma", "ctx_layers", "kind", "version", "remote", "context_len", "extend_context",
-                            "rollback", "release", "push", "probe", "probe_result", "draft"}
+                            "rollback", "release", "push", "probe", "probe_result", "draft", "free_draft"}
 
 
 @pytest.mark.parametrize("cls", [DSparkDrafter, DFlashDrafter, Eagle3Drafter, RemoteDrafter, LookupDrafter])

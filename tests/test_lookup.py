@@ -133,3 +133,66 @@ def test_seeded_requests_replay_with_lookup_whatever_runs_beside_them():
     alone = run(prompts[:1])
     assert run(prompts[:1]) == alone
     assert run(prompts) == alone
+
+
+def test_held_back_rows_reach_the_drafter_before_it_drafts_and_rollbacks_see_them():
+    target = tiny_target()
+    inner = random_drafter(target, "dspark", gamma=4)
+    drafter = LookupDrafter(inner)
+    width = len(drafter.ctx_layers) * target.config.hidden_size
+    rows = torch.randn(8, width)
+    drafter.extend_context("a", rows[:5], torch.tensor([3, 4, 5, 6, 7]))
+    assert drafter.context_len("a") == 5 and inner.context_len("a") == 0  # held here while lookup is asked first
+    drafter.rollback("a", 5)  # what the drafter service does before every draft: a no-op
+    drafter.rollback("a", 3)
+    assert drafter.context_len("a") == 3
+    drafter.extend_context("a", rows[3:4], torch.tensor([9]))
+    drafter.draft(["a"], torch.tensor([11]), torch.zeros(1), [None])  # no match: the drafter drafts
+    assert inner.context_len("a") == 4
+    # The inner drafter saw exactly the rows of positions 0..3, as if it had been extended directly.
+    direct = random_drafter(target, "dspark", gamma=4)
+    direct.extend_context("a", torch.cat([rows[:3], rows[3:4]]), torch.tensor([3, 4, 5, 9]))
+    a = inner.draft(["a"], torch.tensor([11]), torch.zeros(1), [None])
+    b = direct.draft(["a"], torch.tensor([11]), torch.zeros(1), [None])
+    assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.conf_logits, b.conf_logits)
+    drafter.rollback("a", 2)  # below what the drafter holds: its own rollback
+    assert drafter.context_len("a") == inner.context_len("a") == 2
+
+
+def test_while_the_drafter_is_skipped_lookup_blocks_are_reported_and_bring_drafting_back():
+    """Budget 0 at first (default_draft_len 0, nothing observed): the drafter is skipped, but the
+    free lookup blocks' confidences reach the policy, so drafting resumes once lookup has something;
+    none of it changes the text."""
+    from dspark.sched.budget_source import TwoStepBudget
+    from dspark.speculative.policy import ConfidencePolicy
+
+    target = tiny_target()
+    prompts = repetitive_prompts(3)
+    drafter = LookupDrafter(random_drafter(target, "dspark"))
+    policy = ConfidencePolicy(TwoStepBudget(lambda b: 100.0, default_draft_len=0), probe_every=1000)
+    engine = SpecEngine(target, drafter, policy, max_batch=4, max_len=256)
+    seqs = [engine.add(p, SamplingParams(max_tokens=30)) for p in prompts]
+    free = drafted = 0
+    while engine.has_work():
+        engine.step()
+        report = engine.last_report
+        if report.req_ids and not report.drafted:
+            free += 1
+            assert not any(report.verified)
+        drafted += report.drafted and any(report.verified)
+    assert [s.output for s in seqs] == greedy_reference(target, prompts, 30)
+    assert free > 0 and drafted > 0
+
+
+def test_free_draft_is_none_without_a_match_or_without_confidences():
+    target = tiny_target()
+    width = 2 * target.config.hidden_size
+    for kind, expect_block in (("dspark", True), ("dflash", False)):
+        drafter = LookupDrafter(random_drafter(target, kind))
+        drafter.extend_context("a", torch.zeros(4, width), torch.tensor([3, 4, 3, 4]))
+        drafter.extend_context("b", torch.zeros(4, width), torch.tensor([5, 6, 7, 8]))
+        assert drafter.free_draft(["b"], torch.tensor([9])) is None
+        block = drafter.free_draft(["a", "b"], torch.tensor([3, 9]))
+        assert (block is not None) == expect_block
+        if block is not None:
+            assert block.tokens[0, :2].tolist() == [4, 3] and block.conf_logits[1].eq(NO_GUESS).all()

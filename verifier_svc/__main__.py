@@ -13,6 +13,7 @@ import logging
 import socket
 
 from dspark.device import add_device_flag, describe, device_or_exit
+from dspark.drafters.lookup import LookupDrafter
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag
 from dspark.models.threads import configure_threads, share_gil_with_torch_thread
@@ -44,6 +45,10 @@ def parse_args(argv=None):
     add_device_flag(ap)
     ap.add_argument("--max-batch", type=int, env="DSPARK_MAX_BATCH", default=16)
     ap.add_argument("--max-len", type=int, env="DSPARK_MAX_LEN", default=2048)
+    ap.add_argument("--lookup", env="DSPARK_LOOKUP", default="on", choices=["on", "off"],
+                    help="on: prompt lookup first, here where the tokens are (a request whose text repeats drafts "
+                         "what followed before, no round trip; dspark/drafters/lookup.py), the drafter service "
+                         "for the rest")
     ap.add_argument("--draft-len", type=int, env="DSPARK_DRAFT_LEN", default=-1,
                     help="draft tokens a request verifies per step when not scheduled, and per request while the "
                          "scheduler is silent (default: the drafter's block size)")
@@ -120,7 +125,7 @@ async def serve(args) -> None:
     if args.drafter_addr:
         remote = RemoteDrafter(args.drafter_addr, timeout_s=args.drafter_timeout_s)
         if await asyncio.to_thread(remote.connect, args.drafter_wait_s):
-            drafter = remote
+            drafter = LookupDrafter(remote) if args.lookup == "on" else remote
             app.on_shutdown.append(lambda: asyncio.to_thread(remote.close))
         else:
             log.error("no drafter at %s after %.0f s: serving with plain decoding", args.drafter_addr,
@@ -139,8 +144,8 @@ async def serve(args) -> None:
         register = scheduler_pb2.RegisterVerifierRequest(
             address=args.advertise_addr, model=loaded.name, drafter_kind=drafter.kind if drafter else "",
             drafter_version=drafter.version if drafter else "", gamma=drafter.gamma if drafter else 0)
-        if drafter is not None and drafter.info.HasField("sts_temperatures"):
-            register.sts_temperatures.CopyFrom(drafter.info.sts_temperatures)
+        if drafter is not None and remote.info.HasField("sts_temperatures"):
+            register.sts_temperatures.CopyFrom(remote.info.sts_temperatures)
         reporter = SchedulerReporter(args.scheduler_addr, register, load_fn, control.apply,
                                      interval_s=args.report_interval_s,
                                      step_interval_s=args.step_report_interval_s)
@@ -162,18 +167,19 @@ async def serve(args) -> None:
     if tracing.enabled():  # per-step spans, and their context sent along with each draft call
         runner.step_spans = StepSpans()
         if drafter is not None:
-            drafter.trace_context = runner.step_spans.carrier
+            remote.trace_context = runner.step_spans.carrier
     runner.start(torch_thread)
     slot.core = VerifierCore(runner, loaded.tokenizer, loaded.name, args.max_len, loaded.model.config.vocab_size,
-                             drafter.info if drafter is not None else None, args.default_max_tokens,
+                             remote.info if drafter is not None else None, args.default_max_tokens,
                              args.max_tokens_cap)
     if reporter is not None:
         reporter.start()
         app.on_shutdown.insert(0, reporter.close)
     app.on_shutdown.append(lambda: asyncio.to_thread(runner.stop))
+    drafting = (drafter.kind + (" + prompt lookup" if args.lookup == "on" else "")) if drafter else "none"
     log.info("verifier %s serving %s (%s matmuls on %s) at %s (drafter: %s, draft len %d, max batch %d, "
              "max len %d)", args.verifier_id, loaded.name, loaded.model.precision, describe(args.device),
-             args.advertise_addr, drafter.kind if drafter else "none", draft_len, args.max_batch, args.max_len)
+             args.advertise_addr, drafting, draft_len, args.max_batch, args.max_len)
     await app.set_serving()
     await app.wait_for_termination()
 

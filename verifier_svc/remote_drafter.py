@@ -263,6 +263,10 @@ class RemoteDrafter:
             raise DrafterUnavailable(f"no drafter stream to {self.address}")
         return link
 
+    def free_draft(self, req_ids, anchors) -> DraftBlock | None:
+        """None: every draft here costs a round trip."""
+        return None
+
     def draft(self, req_ids, anchors, temperatures, generators, forced_tokens=None, return_logits=False) -> DraftBlock:
         link = self._live_link()
         request, sent_len = self._draft_request(req_ids, anchors, temperatures, generators)

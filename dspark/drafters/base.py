@@ -147,6 +147,10 @@ class Drafter(nn.Module):
     def probe_result(self):
         return None
 
+    def free_draft(self, req_ids: list[str], anchors: torch.Tensor) -> DraftBlock | None:
+        """None: every draft of a trained drafter costs a forward pass."""
+        return None
+
     def draft(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor, generators: list,
               forced_tokens: torch.Tensor | None = None, return_logits: bool = False) -> DraftBlock:
         """Batched over requests; request i's anchor sits at position context_len(req_ids[i]).

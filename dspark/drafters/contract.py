@@ -53,3 +53,7 @@ class DrafterContract(Protocol):
 
     def draft(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor,
               generators: list) -> DraftBlock: ...
+
+    # Drafts that cost nothing to make (prompt lookup), for their confidences while the drafter is
+    # skipped: a block over all req_ids (NO_GUESS where there is none), or None when there is none.
+    def free_draft(self, req_ids: list[str], anchors: torch.Tensor) -> DraftBlock | None: ...

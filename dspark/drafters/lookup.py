@@ -5,7 +5,9 @@ earlier in its context, the block is what followed it then (NgramIndex), every t
 q = 1. A point mass is a draft distribution like any other: verification accepts the token with
 probability p(token) (at T 0: when it is the argmax) and otherwise samples from p without it, so
 the output is still exactly the target's. Requests without a match get the trained drafter's block;
-requests with one skip it (the drafter's context is still extended, so it is current when needed).
+requests with one skip it. Their new context rows wait (here for a local drafter, in RemoteDrafter
+for the drafter service) and reach the drafter in one batch when it drafts for them again, so a
+step that lookup answers costs no drafter compute and no round trip.
 
 Confidences of lookup blocks are what lookup has earned: per match length and block position, the
 share of its past guesses that the tokens decided since confirmed (LookupStats), as logits, so
@@ -22,6 +24,7 @@ from dspark.drafters.base import DraftBlock
 from dspark.drafters.ngram_index import NgramIndex
 
 NO_GUESS = -30.0  # confidence logit of a slot that lookup had nothing for
+FLUSH_ROWS = 64  # context rows held back from the drafter at most (bounds what a long loop keeps here)
 
 
 class LookupStats:
@@ -48,13 +51,16 @@ class LookupStats:
 
 
 class LookupDrafter:
-    """The DrafterContract of `inner`, with prompt lookup first. Local only: in a split
-    deployment it runs inside the drafter service, where the contexts are."""
+    """The DrafterContract of `inner` (a local drafter or the verifier's RemoteDrafter), with
+    prompt lookup first. It runs where the tokens are: in process, or in the verifier, where a
+    lookup block costs no round trip to the drafter service. Anything else about the drafter
+    (its config, DrafterInfo, calibration) is the inner drafter's."""
 
     def __init__(self, inner, min_n: int = 2, max_n: int = 4):
         self.inner, self.min_n, self.max_n = inner, min_n, max_n
         self.stats = LookupStats(max_n, inner.gamma)
         self._texts: dict[str, NgramIndex] = {}
+        self._held: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # rows not given to the drafter yet
         self._guesses: dict[str, tuple[int, list[int], int]] = {}  # req -> (anchor position, guess, n)
 
     # ---- what it is: the inner drafter's ----
@@ -62,36 +68,62 @@ class LookupDrafter:
     ctx_layers = property(lambda self: self.inner.ctx_layers)
     kind = property(lambda self: self.inner.kind)
     version = property(lambda self: self.inner.version)
-    cfg = property(lambda self: self.inner.cfg)
-    has_confidence = property(lambda self: self.inner.has_confidence)
-    contexts = property(lambda self: self.inner.contexts)
-    remote = property(lambda self: False)
+    remote = property(lambda self: self.inner.remote)
 
-    # ---- contexts: the inner drafter's, plus the tokens ----
+    def __getattr__(self, name: str):
+        if name == "inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    # ---- contexts: the inner drafter's, the rows held back, and the tokens ----
     def context_len(self, req_id: str) -> int:
-        return self.inner.context_len(req_id)
+        return self.inner.context_len(req_id) + sum(len(t) for _, t in self._held.get(req_id, ()))
 
     def extend_context(self, req_id: str, features: torch.Tensor, tokens: torch.Tensor) -> None:
-        self.inner.extend_context(req_id, features, tokens)
         self._text(req_id).append(tokens.tolist())
+        if self.inner.remote:  # a remote drafter holds new rows itself until it next sends
+            self.inner.extend_context(req_id, features, tokens)
+            return
+        held = self._held.setdefault(req_id, [])
+        held.append((features, tokens))
+        if sum(len(t) for _, t in held) >= FLUSH_ROWS:
+            self._flush(req_id)
 
     def rollback(self, req_id: str, n_ctx: int) -> None:
-        self.inner.rollback(req_id, n_ctx)
         self._text(req_id).truncate(n_ctx)
+        keep = n_ctx - self.inner.context_len(req_id)
+        if keep < 0:
+            self._held.pop(req_id, None)
+            self.inner.rollback(req_id, n_ctx)
+            return
+        held = []
+        for features, tokens in self._held.pop(req_id, ()):
+            if keep <= 0:
+                break
+            take = min(keep, len(tokens))
+            held.append((features[:take], tokens[:take]))
+            keep -= take
+        if held:
+            self._held[req_id] = held
 
     def release(self, req_id: str) -> None:
         self.inner.release(req_id)
-        self._texts.pop(req_id, None)
-        self._guesses.pop(req_id, None)
+        for table in (self._texts, self._guesses, self._held):
+            table.pop(req_id, None)
+
+    def _flush(self, req_id: str) -> None:
+        held = self._held.pop(req_id, None)
+        if held:
+            self.inner.extend_context(req_id, torch.cat([f for f, _ in held]), torch.cat([t for _, t in held]))
 
     def push(self) -> None:
-        pass
+        self.inner.push()
 
     def probe(self, req_ids, anchors, temperatures) -> bool:
-        return False
+        return self.inner.probe(req_ids, anchors, temperatures)
 
     def probe_result(self):
-        return None
+        return self.inner.probe_result()
 
     def _text(self, req_id: str) -> NgramIndex:
         text = self._texts.get(req_id)
@@ -103,25 +135,41 @@ class LookupDrafter:
     def draft(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor, generators: list,
               forced_tokens: torch.Tensor | None = None, return_logits: bool = False) -> DraftBlock:
         if forced_tokens is not None or return_logits:  # teacher-forced scoring: the drafter's own
+            for req_id in req_ids:
+                self._flush(req_id)
             return self.inner.draft(req_ids, anchors, temperatures, generators, forced_tokens, return_logits)
-        gamma, anchor_ids = self.gamma, anchors.tolist()
-        guesses = {}
-        for i, (req_id, anchor) in enumerate(zip(req_ids, anchor_ids)):
-            text = self._text(req_id)
-            self._settle(req_id, text, anchor)
-            guess, n = text.continuation(anchor, gamma)
-            if n:
-                guesses[i] = (guess, n)
-                self._guesses[req_id] = (len(text), guess, n)
+        guesses = self._look_up(req_ids, anchors.tolist())
         rest = [i for i in range(len(req_ids)) if i not in guesses]
         inner = None
         if rest:
+            for i in rest:
+                self._flush(req_ids[i])
             pick = torch.tensor(rest, device=anchors.device)
             inner = self.inner.draft([req_ids[i] for i in rest], anchors[pick], temperatures[pick],
                                      [generators[i] for i in rest])
             if not guesses:
                 return inner
         return self._merge(len(req_ids), guesses, rest, inner, anchors.device)
+
+    def free_draft(self, req_ids: list[str], anchors: torch.Tensor) -> DraftBlock | None:
+        """Lookup's blocks alone (NO_GUESS rows where it has none), or None when it has none: what
+        it would draft, for the scheduler to weigh while the drafter is skipped."""
+        if not self.inner.has_confidence:
+            return None
+        guesses = self._look_up(req_ids, anchors.tolist())
+        return self._merge(len(req_ids), guesses, [], None, anchors.device) if guesses else None
+
+    def _look_up(self, req_ids: list[str], anchors: list[int]) -> dict[int, tuple[list[int], int]]:
+        """{row: (guess, n)} for the requests whose suffix occurred before; remembered for scoring."""
+        guesses = {}
+        for i, (req_id, anchor) in enumerate(zip(req_ids, anchors)):
+            text = self._text(req_id)
+            self._settle(req_id, text, anchor)
+            guess, n = text.continuation(anchor, self.gamma)
+            if n:
+                guesses[i] = (guess, n)
+                self._guesses[req_id] = (len(text), guess, n)
+        return guesses
 
     def _settle(self, req_id: str, text: NgramIndex, anchor: int) -> None:
         """Score this request's last guess against the tokens decided since (the anchor included)."""
@@ -138,7 +186,8 @@ class LookupDrafter:
         support_ids = torch.zeros(num, gamma, support, dtype=torch.long, device=device)
         support_probs = torch.zeros(num, gamma, support, dtype=torch.float32, device=device)
         with_conf = self.inner.has_confidence
-        conf = torch.zeros(num, gamma, dtype=torch.float32, device=device) if with_conf else None
+        conf = torch.full((num, gamma), NO_GUESS, dtype=torch.float32, device=device) if with_conf else None
+        support_probs[:, :, 0] = 1.0  # rows without a guess (free drafts): token 0, never verified
         for i, (guess, n) in guesses.items():
             padded = guess + [guess[-1]] * (gamma - len(guess))  # past the guess: a filler, NO_GUESS
             tokens[i] = torch.tensor(padded, device=device)

@@ -116,6 +116,7 @@ class SpecEngine(Engine):
         self._checks = ProbeChecks()
         self._probe_starts: dict[str, int] = {}  # greedy requests of the probe in flight: first guessed index
         self._draft_context_rows = 0
+        self._free = False  # this step's block is a free one (_free_draft)
 
     def add(self, prompt, params=None, req_id=None, draft_len: int | None = None) -> Sequence:
         seq = super().add(prompt, params, req_id)
@@ -178,11 +179,11 @@ class SpecEngine(Engine):
         # depend on other requests or on the scheduler's state: it verifies a fixed number.
         seeded = [s.params.seed is not None and s.params.temperature > 0 for s in seqs]
         fixed = self.policy.default_draft_len
-        if not self.policy.should_draft(len(seqs)) and not (fixed and any(seeded)):
-            return None, [0] * len(seqs)
         device = self.model.device
         req_ids = [s.req_id for s in seqs]
         anchors = host_values([s.tokens[-1] for s in seqs], torch.long, device)
+        if not self.policy.should_draft(len(seqs)) and not (fixed and any(seeded)):
+            return self._free_draft(seqs, req_ids, anchors), [0] * len(seqs)
         temperatures = host_values([s.params.temperature for s in seqs], torch.float32, device)
         try:
             # Positions the drafter takes in before it drafts: one per request when it is current.
@@ -198,6 +199,21 @@ class SpecEngine(Engine):
             if seeded[i]:
                 lens[i] = min(caps[i], fixed)
         return block, lens
+
+    def _free_draft(self, seqs: list[Sequence], req_ids: list[str], anchors: torch.Tensor):
+        """While the drafter is skipped, the drafts that cost nothing (prompt lookup), none verified:
+        their confidences reach the policy and the step report like a probe's, so drafting resumes
+        when a request starts repeating itself. None when there are none."""
+        try:
+            for s in seqs:
+                self._sync_drafter(s)
+            block = self.drafter.free_draft(req_ids, anchors)
+        except DrafterUnavailable:
+            return None
+        if block is not None:
+            self._free = True
+            self.policy.observe_probe(block.conf_logits)
+        return block
 
     def _take_probe(self, report: StepReport) -> None:
         """A background probe's confidences, once answered, go to the policy and, as drafts none of
@@ -240,7 +256,7 @@ class SpecEngine(Engine):
         t0 = time.perf_counter()
         decoding = list(self.running)  # requests already past their prefill
         admitted = self.scheduler.admit()
-        self._draft_context_rows = 0
+        self._draft_context_rows, self._free = 0, False
         block, lens = self._draft(decoding)
         # One copy to the host, which also waits for a GPU drafter: its time is counted as drafting.
         block_tokens = block.tokens.tolist() if block is not None else []
@@ -252,8 +268,9 @@ class SpecEngine(Engine):
         events = self._commit(step, num_acc, out_tokens, block)
         self._take_probe(self.last_report)
         self._take_checks(step, self.last_report)
-        self._push_context(drafted=block is not None)
-        self.last_report.draft_seconds, self.last_report.drafted = draft_seconds, block is not None
+        self._push_context(drafted=block is not None and not self._free)
+        # A free block (lookup while skipped) is not drafting: no draft cost, nothing verified.
+        self.last_report.draft_seconds, self.last_report.drafted = draft_seconds, block is not None and not self._free
         self.last_report.draft_context_rows = self._draft_context_rows
         self.last_report.seconds = time.perf_counter() - t0
         return events
