@@ -1,7 +1,9 @@
 """One request at a time, per eval set: what a single user sees. Plain decoding in this process
-(the bar speculation has to clear), then through the three services (drafter, verifier, scheduler
-as separate processes, gRPC): plain decoding, fixed k = 3 and 7, and the confidence scheduler;
-and llama.cpp's plain decoding of the same GGUF, fed the same token ids, in the same run.
+(the bar speculation has to clear) and, in the same process, DSpark with prompt lookup at fixed
+k = 3 and 7; then through the three services (drafter, verifier, scheduler as separate processes,
+gRPC): plain decoding, fixed k = 3 and 7, and the confidence scheduler with and without the
+verifier's prompt lookup; and llama.cpp's plain decoding of the same GGUF, fed the same token ids,
+in the same run.
 
     python benchmarks/single_stream.py [--prompts 3] [--max-tokens 128] [--drafter DIR]
 
@@ -29,17 +31,21 @@ SERVICE_CONFIGS = {  # name -> verifier flags (None: no drafter)
     "services k=3": dict(schedule="off", draft_len=3),
     "services k=7": dict(schedule="off", draft_len=7),
     "services scheduler": dict(schedule="on", draft_len=3),
+    "services scheduler, no lookup": dict(schedule="on", draft_len=3, lookup="off"),
 }
+IN_PROCESS_SPEC = {"in-process k=3": 3, "in-process k=7": 7}  # DSpark + prompt lookup, this process
 
 
-def in_process_plain(engine, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
+def in_process(engine, ids: list[int], max_tokens: int) -> tuple[list[int], float, int]:
+    """(greedy tokens, seconds, target passes) on an Engine or a SpecEngine."""
     from dspark.sampling import SamplingParams
 
     start = time.perf_counter()
     seq = engine.add(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     while engine.has_work():
         engine.step()
-    return list(seq.output), time.perf_counter() - start
+    spec = getattr(seq, "spec", None)
+    return list(seq.output), time.perf_counter() - start, (spec.metrics.steps + 1) if spec else len(seq.output)
 
 
 def through_services(address: str, prompt: str, max_tokens: int) -> tuple[list[int], float, int]:
@@ -69,8 +75,11 @@ def main(argv=None) -> None:
     from concurrency import start_stack
     from service_helpers import start_drafter, wait_serving
 
-    from dspark.drafters.shipped import default_drafter_dir
+    from dspark.drafters.lookup import LookupDrafter
+    from dspark.drafters.shipped import default_drafter_dir, load_drafter_for
     from dspark.engine.generate import Engine
+    from dspark.speculative.engine import SpecEngine
+    from dspark.speculative.policy import FixedDraftLen
     from dspark.models.loader import load_model
     from dspark.models.threads import available_cores, configure_threads
     from dspark.train.evaluate import DATASETS, load_eval_prompts
@@ -82,7 +91,10 @@ def main(argv=None) -> None:
     loaded = load_model(args.model, precision="auto")  # what the verifier serves by default
     ids = {d: [loaded.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in ps] for d, ps in prompts.items()}
     engine = Engine(loaded.model, max_batch=1, max_len=1024)
-    in_process_plain(engine, ids[datasets[0]][0], 8)  # first-call allocations, not measured
+    in_process(engine, ids[datasets[0]][0], 8)  # first-call allocations, not measured
+    local = LookupDrafter(load_drafter_for(loaded, args.drafter or "dspark", "auto"))
+    spec_engines = {name: SpecEngine(loaded.model, local, FixedDraftLen(k), max_batch=1, max_len=1024)
+                    for name, k in IN_PROCESS_SPEC.items()}
     llama = not args.skip_llamacpp
     if llama:
         try:
@@ -98,7 +110,7 @@ def main(argv=None) -> None:
     args.concurrency = [1]
     drafter, d_addr = start_drafter(args.model, log_dir, checkpoint=checkpoint, gamma=7, num_layers=2, max_batch=4)
     services, stacks = [drafter], {}
-    names = ["in-process plain", *SERVICE_CONFIGS] + (["llama.cpp plain"] if llama else [])
+    names = ["in-process plain", *IN_PROCESS_SPEC, *SERVICE_CONFIGS] + (["llama.cpp plain"] if llama else [])
     rows = {d: {n: dict(tokens=0, seconds=0.0, steps=0) for n in names} for d in datasets}
     same = True
     try:
@@ -111,11 +123,18 @@ def main(argv=None) -> None:
                 through_services(address, p, args.max_tokens // 2)
         for d in datasets:
             for i, prompt in enumerate(prompts[d]):
-                reference, seconds = in_process_plain(engine, ids[d][i], args.max_tokens)
+                reference, seconds, steps = in_process(engine, ids[d][i], args.max_tokens)
                 cell = rows[d]["in-process plain"]
                 cell["tokens"] += len(reference)
                 cell["seconds"] += seconds
-                cell["steps"] += len(reference)
+                cell["steps"] += steps
+                for name, spec_engine in spec_engines.items():
+                    out, seconds, steps = in_process(spec_engine, ids[d][i], args.max_tokens)
+                    same &= out == reference
+                    cell = rows[d][name]
+                    cell["tokens"] += len(out)
+                    cell["seconds"] += seconds
+                    cell["steps"] += steps
                 for name, address in stacks.items():
                     out, seconds, steps = through_services(address, prompt, args.max_tokens)
                     same &= out == reference
@@ -138,8 +157,8 @@ def main(argv=None) -> None:
     tau = {d: {n: r["tokens"] / max(1, r["steps"]) for n, r in rows[d].items()} for d in datasets}
     print(f"\ntokens/s, one request at a time (tokens per target pass in brackets), "
           f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
-    print("| eval set | " + " | ".join(names) + " | best services / in-process plain |")
-    print("|---" * (len(names) + 2) + "|")
+    print("| eval set | " + " | ".join(names) + " | best in-process / plain | best services / in-process plain |")
+    print("|---" * (len(names) + 3) + "|")
     for d in datasets + ["mean"]:
         if d == "mean":
             t = {n: sum(tps[x][n] for x in datasets) / len(datasets) for n in names}
@@ -147,7 +166,9 @@ def main(argv=None) -> None:
         else:
             t, k = tps[d], tau[d]
         best = max(SERVICE_CONFIGS, key=lambda n: t[n])
+        best_local = max(IN_PROCESS_SPEC, key=lambda n: t[n])
         print(f"| {d} | " + " | ".join(f"{t[n]:.1f} ({k[n]:.2f})" for n in names)
+              + f" | {t[best_local] / t['in-process plain']:.2f}x ({best_local})"
               + f" | {t[best] / t['in-process plain']:.2f}x ({best}) |")
     print(f"every configuration gave the in-process greedy text: {same}")
 

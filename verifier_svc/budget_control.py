@@ -61,7 +61,7 @@ class BudgetControl:
         self.source = ScheduledBudget(default_draft_len, self.ttl_steps, self.ttl_s)
         # The drafter is remote: a probe runs beside the target, so the first comes at once.
         self.policy = ConfidencePolicy(self.source, shipped_temperatures(drafter), self.explore,
-                                       probe_every=self.probe_every, first_probe=1)
+                                       probe_every=self.probe_every, first_probe=1, free_sps=self.sps)
         self.drafter_version, self.calibration_version = drafter.version, 0
         return self.policy
 

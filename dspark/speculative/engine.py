@@ -183,7 +183,11 @@ class SpecEngine(Engine):
         req_ids = [s.req_id for s in seqs]
         anchors = host_values([s.tokens[-1] for s in seqs], torch.long, device)
         if not self.policy.should_draft(len(seqs)) and not (fixed and any(seeded)):
-            return self._free_draft(seqs, req_ids, anchors), [0] * len(seqs)
+            block = self._free_draft(seqs, req_ids, anchors)
+            if block is None:
+                return None, [0] * len(seqs)
+            lens = self.policy.free_lengths(block, caps)
+            return block, [0 if seeded[i] else n for i, n in enumerate(lens)]  # a seeded replay verifies none
         temperatures = host_values([s.params.temperature for s in seqs], torch.float32, device)
         try:
             # Positions the drafter takes in before it drafts: one per request when it is current.
@@ -201,18 +205,17 @@ class SpecEngine(Engine):
         return block, lens
 
     def _free_draft(self, seqs: list[Sequence], req_ids: list[str], anchors: torch.Tensor):
-        """While the drafter is skipped, the drafts that cost nothing (prompt lookup), none verified:
-        their confidences reach the policy and the step report like a probe's, so drafting resumes
-        when a request starts repeating itself. None when there are none."""
+        """While the drafter is skipped, the drafts that cost nothing (prompt lookup), verified as far
+        as the policy's free_lengths says they pay. Kept out of the step report and the checks: the
+        budget and the calibration are the drafter's, and lookup scores its own guesses. None when
+        there are none."""
         try:
             for s in seqs:
                 self._sync_drafter(s)
             block = self.drafter.free_draft(req_ids, anchors)
         except DrafterUnavailable:
             return None
-        if block is not None:
-            self._free = True
-            self.policy.observe_probe(block.conf_logits)
+        self._free = block is not None
         return block
 
     def _take_probe(self, report: StepReport) -> None:
@@ -265,7 +268,7 @@ class SpecEngine(Engine):
             return []
         step = self._build(admitted, decoding, block_tokens, lens)
         num_acc, out_tokens = self._verify(step, block)
-        events = self._commit(step, num_acc, out_tokens, block)
+        events = self._commit(step, num_acc, out_tokens, None if self._free else block)
         self._take_probe(self.last_report)
         self._take_checks(step, self.last_report)
         self._push_context(drafted=block is not None and not self._free)

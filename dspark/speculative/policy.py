@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from dspark.sched.calibration import LiveOffset
-from dspark.sched.prefix_scheduler import admit_top_k
+from dspark.sched.prefix_scheduler import admit_top_k, budget_from_survival
 from dspark.sched.verify_budget import calibrated_survival
 
 
@@ -33,6 +33,9 @@ class SpeculationPolicy(Protocol):
     def observe_outcomes(self, conf_logits, accepted_len, verified_len) -> None: ...
 
     def lengths(self, block, draft_lens: list[int]) -> list[int]: ...
+
+    # While drafting is skipped: how much of a free block (prompt lookup, no drafting cost) to verify.
+    def free_lengths(self, block, draft_lens: list[int]) -> list[int]: ...
 
 
 class FixedDraftLen:
@@ -56,6 +59,9 @@ class FixedDraftLen:
         self.budget_in_force = sum(lengths)
         return lengths
 
+    def free_lengths(self, block, draft_lens: list[int]) -> list[int]:
+        return [0] * len(draft_lens)  # it skips only at draft_len 0: nothing is verified then
+
 
 class ConfidencePolicy:
     """The top verify-budget drafts by current calibrated prefix survival, the budget from `source`.
@@ -74,10 +80,11 @@ class ConfidencePolicy:
     """
 
     def __init__(self, source, temperatures=None, explore: float = 0.0, seed: int = 0, probe_every: int = 16,
-                 first_probe: int | None = None):
+                 first_probe: int | None = None, free_sps=None):
         """source: TwoStepBudget or ScheduledBudget; temperatures: STS per block position (None: T = 1);
         explore: share of requests that verify their whole draft_len anyway, so low-confidence
-        tails keep getting labels for calibration."""
+        tails keep getting labels for calibration; free_sps: the target's steps/s by batch tokens,
+        for free blocks (default: the source's own table, if it has one)."""
         if probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.source, self.explore, self.probe_every = source, explore, probe_every
@@ -89,6 +96,7 @@ class ConfidencePolicy:
         self.budget_in_force = source.default_draft_len
         self.probing = False
         self.offset = LiveOffset()
+        self.free_sps = free_sps if free_sps is not None else getattr(source, "sps", None)
 
     @property
     def default_draft_len(self) -> int:
@@ -120,6 +128,15 @@ class ConfidencePolicy:
         if hasattr(conf_logits, "cpu"):
             conf_logits = conf_logits.float().cpu().numpy()
         self.offset.observe(conf_logits, self.temperatures, accepted_len, verified_len)
+
+    def free_lengths(self, block, draft_lens: list[int]) -> list[int]:
+        """The two-step rule's trade-off on this block itself, with no drafting cost: it is already
+        made, and deterministic (prompt lookup), so its confidences cannot bias the output."""
+        if self.free_sps is None or block.conf_logits is None:
+            return [0] * len(draft_lens)
+        survival = calibrated_survival(block.conf_logits, self.temperatures, self.offset.value)
+        budget = budget_from_survival(survival, self.free_sps)
+        return [int(x) for x in admit_top_k(survival, budget, np.asarray(draft_lens))]
 
     def lengths(self, block, draft_lens: list[int]) -> list[int]:
         if block is None or block.conf_logits is None:  # no confidences: a fixed length
