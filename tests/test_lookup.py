@@ -203,3 +203,19 @@ def test_free_draft_is_none_without_a_match_or_without_confidences():
         assert (block is not None) == expect_block
         if block is not None:
             assert block.tokens[0, :2].tolist() == [4, 3] and block.conf_logits[1].eq(NO_GUESS).all()
+
+
+def test_lookup_rows_keep_their_own_calibration_in_the_policy():
+    """STS temperatures and the live offset are the drafter's: a lookup row's logits are its record."""
+    from dspark.drafters.base import DraftBlock
+    from dspark.sched.budget_source import TwoStepBudget
+    from dspark.speculative.policy import ConfidencePolicy
+
+    policy = ConfidencePolicy(TwoStepBudget(lambda b: 100.0, default_draft_len=2), temperatures=[0.5, 4.0])
+    policy.offset.value = -1.0
+    z = torch.tensor([[1.0, 2.0], [1.0, 2.0]])
+    block = DraftBlock(torch.zeros(2, 2, dtype=torch.long), z, torch.zeros(2, 2, 1, dtype=torch.long),
+                       torch.ones(2, 2, 1), calibrated=torch.tensor([False, True]))
+    survival = policy._survival(block)
+    raw = torch.sigmoid(z[1].double()).cumprod(0).numpy()
+    assert abs(survival[1] - raw).max() < 1e-9 and abs(survival[0] - raw).max() > 0.01

@@ -27,6 +27,9 @@ class DraftBlock:
     support_ids: torch.Tensor  # [R, gamma, S] int64 target ids of the support each x_k was drawn from
     support_probs: torch.Tensor  # [R, gamma, S] float32 its probabilities (rows sum to 1, zero-padded)
     logits: torch.Tensor | None = None  # [R, gamma, V'] float32 slot logits over the draft vocab (on request)
+    # [R] bool: rows whose conf_logits are calibrated already (prompt lookup's own record), to be
+    # taken as they are rather than through the drafter's STS temperatures and live offset
+    calibrated: torch.Tensor | None = None
 
 
 class Drafter(nn.Module):

@@ -200,4 +200,6 @@ class LookupDrafter:
             tokens[pick], support_ids[pick], support_probs[pick] = inner.tokens, inner.support_ids, inner.support_probs
             if with_conf:
                 conf[pick] = inner.conf_logits.float()
-        return DraftBlock(tokens, conf, support_ids, support_probs)
+        calibrated = torch.zeros(num, dtype=torch.bool, device=device)
+        calibrated[list(guesses)] = True
+        return DraftBlock(tokens, conf, support_ids, support_probs, calibrated=calibrated)

@@ -129,12 +129,21 @@ class ConfidencePolicy:
             conf_logits = conf_logits.float().cpu().numpy()
         self.offset.observe(conf_logits, self.temperatures, accepted_len, verified_len)
 
+    def _survival(self, block) -> np.ndarray:
+        """Prefix survivals of a block: the drafter's rows through STS and the live offset, rows
+        calibrated already (prompt lookup) as they are."""
+        survival = calibrated_survival(block.conf_logits, self.temperatures, self.offset.value)
+        calibrated = getattr(block, "calibrated", None)  # a DraftBlock's; absent on a bare confidences holder
+        if calibrated is not None and bool(calibrated.any()):
+            survival[calibrated.cpu().numpy()] = calibrated_survival(block.conf_logits[calibrated])
+        return survival
+
     def free_lengths(self, block, draft_lens: list[int]) -> list[int]:
         """The two-step rule's trade-off on this block itself, with no drafting cost: it is already
         made, and deterministic (prompt lookup), so its confidences cannot bias the output."""
         if self.free_sps is None or block.conf_logits is None:
             return [0] * len(draft_lens)
-        survival = calibrated_survival(block.conf_logits, self.temperatures, self.offset.value)
+        survival = self._survival(block)
         budget = budget_from_survival(survival, self.free_sps)
         return [int(x) for x in admit_top_k(survival, budget, np.asarray(draft_lens))]
 
@@ -144,7 +153,7 @@ class ConfidencePolicy:
             self.budget_in_force = self.default_draft_len * len(draft_lens)
             self.source.from_scheduler = False
             return lengths
-        survival = calibrated_survival(block.conf_logits, self.temperatures, self.offset.value)
+        survival = self._survival(block)
         self.budget_in_force = self.source.budget(len(draft_lens))
         self.source.observe(survival)
         lengths = admit_top_k(survival, self.budget_in_force, np.asarray(draft_lens))
