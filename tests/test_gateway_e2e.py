@@ -31,7 +31,9 @@ def cluster(tmp_path_factory):
     path = str(write_tiny_target(tmp_path_factory.mktemp("tiny") / "tiny"))
     drafter, d_addr = start_drafter(path, logs)
     scheduler, s_addr = start_scheduler(logs, [])  # in-process store: no verifiers of other runs
-    verifier, v_addr = start_verifier(path, logs, d_addr, s_addr, explore=1.0, draft_probe_every=1)
+    # No prompt lookup: the tiny target loops, and lookup would finish its 1000-token answers within
+    # the cancellation tests' time and make the bursts the stop-string test looks for its own.
+    verifier, v_addr = start_verifier(path, logs, d_addr, s_addr, explore=1.0, draft_probe_every=1, lookup="off")
     gateway, url = start_gateway(s_addr, logs, api_keys=["other-key", KEY], max_concurrent=MAX_CONCURRENT,
                                  max_request_bytes=65536)
     services = [gateway, verifier, scheduler, drafter]

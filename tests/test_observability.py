@@ -78,9 +78,10 @@ def cluster(tmp_path_factory, collector):
         # Any promised gain drafts (the bare two-step rule): this test is about the metrics of drafts.
         scheduler, s_addr = start_scheduler(tmp, [], metrics_port=ports["scheduler"], min_draft_gain=1.0)
         services += [drafter, scheduler]
-        # A draft every step: on the tiny target drafting never pays, and K = 0 would skip it.
+        # A draft every step: on the tiny target drafting never pays, and K = 0 would skip it. No prompt
+        # lookup: its blocks never reach the drafter, and every drafted step here must have a draft span.
         verifier, v_addr = start_verifier(target, tmp, d_addr, s_addr, metrics_port=ports["verifier"],
-                                          draft_probe_every=1)
+                                          draft_probe_every=1, lookup="off")
         services.append(verifier)
         for service, address in ((drafter, d_addr), (scheduler, s_addr), (verifier, v_addr)):
             wait_serving(address, service, timeout=120)

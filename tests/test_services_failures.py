@@ -48,7 +48,8 @@ def test_drafter_killed_mid_stream_fails_nothing_and_speculation_resumes(target,
     path, reference = target
     drafter, d_addr = start(services, start_drafter(path, logs))
     wait_serving(d_addr, drafter)
-    verifier, v_addr = start(services, start_verifier(path, logs, d_addr))
+    # No prompt lookup: it drafts with no drafter at all, and what is tested is the drafter's absence.
+    verifier, v_addr = start(services, start_verifier(path, logs, d_addr, lookup="off"))
     wait_serving(v_addr, verifier)
 
     running = streams(v_addr)
@@ -74,6 +75,26 @@ def test_drafter_killed_mid_stream_fails_nothing_and_speculation_resumes(target,
         return r.metrics.draft_tokens > 0
 
     wait_until(speculating, 30, interval=0.5, what="speculation resumed")
+
+
+def test_with_prompt_lookup_a_killed_drafter_changes_no_token_and_lookup_keeps_drafting(target, logs, services):
+    """The verifier's default: lookup in front of the drafter service. The service dies mid-stream:
+    no failure, the same greedy text, and lookup (which needs no drafter) still drafts."""
+    path, reference = target
+    drafter, d_addr = start(services, start_drafter(path, logs))
+    wait_serving(d_addr, drafter)
+    verifier, v_addr = start(services, start_verifier(path, logs, d_addr))
+    wait_serving(v_addr, verifier)
+    running = streams(v_addr)
+    wait_until(lambda: all(len(s.tokens) >= 4 for s in running), 60, what="tokens flowing")
+    drafter.kill()
+    before = [len(s.tokens) for s in running]
+    results = [s.result() for s in running]
+    assert any(n < MAX_TOKENS for n in before), "the drafter died after the streams ended: nothing was tested"
+    for result, want in zip(results, reference):
+        assert list(result.token_ids) == want and result.finish_reason.value == "length"
+    after = StreamThread(v_addr, token_ids=PROMPTS[0], max_tokens=40).result()
+    assert list(after.token_ids) == reference[0][:40] and after.metrics.accepted_tokens > 0
 
 
 def test_verifier_killed_mid_stream_resumes_on_the_other(target, logs, services):
