@@ -52,7 +52,7 @@ class OracleDrafter:
     def push(self):
         pass
 
-    def free_draft(self, req_ids, anchors):
+    def free_draft(self, req_ids, texts, device=None):
         return None
 
     def draft(self, req_ids, anchors, temperatures, generators):

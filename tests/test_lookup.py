@@ -196,13 +196,16 @@ def test_free_draft_is_none_without_a_match_or_without_confidences():
     width = 2 * target.config.hidden_size
     for kind, expect_block in (("dspark", True), ("dflash", False)):
         drafter = LookupDrafter(random_drafter(target, kind))
-        drafter.extend_context("a", torch.zeros(4, width), torch.tensor([3, 4, 3, 4]))
-        drafter.extend_context("b", torch.zeros(4, width), torch.tensor([5, 6, 7, 8]))
-        assert drafter.free_draft(["b"], torch.tensor([9])) is None
-        block = drafter.free_draft(["a", "b"], torch.tensor([3, 9]))
-        assert (block is not None) == expect_block
+        drafter.extend_context("a", torch.zeros(2, width), torch.tensor([3, 4]))
+        assert drafter.free_draft(["b"], [[5, 6, 7, 8, 9]]) is None
+        # Tokens alone: a's text goes on past its drafter context, which stays as it was.
+        block = drafter.free_draft(["a", "b"], [[3, 4, 3, 4, 3], [5, 6, 7, 8, 9]])
+        assert (block is not None) == expect_block and drafter.context_len("a") == 2
         if block is not None:
             assert block.tokens[0, :2].tolist() == [4, 3] and block.conf_logits[1].eq(NO_GUESS).all()
+        # The same positions arriving as context later are not indexed twice.
+        drafter.extend_context("a", torch.zeros(2, width), torch.tensor([3, 4]))
+        assert drafter._texts["a"].tokens == [3, 4, 3, 4]
 
 
 def test_lookup_rows_keep_their_own_calibration_in_the_policy():

@@ -263,7 +263,7 @@ class RemoteDrafter:
             raise DrafterUnavailable(f"no drafter stream to {self.address}")
         return link
 
-    def free_draft(self, req_ids, anchors) -> DraftBlock | None:
+    def free_draft(self, req_ids, texts, device=None) -> DraftBlock | None:
         """None: every draft here costs a round trip."""
         return None
 

@@ -150,7 +150,7 @@ class Drafter(nn.Module):
     def probe_result(self):
         return None
 
-    def free_draft(self, req_ids: list[str], anchors: torch.Tensor) -> DraftBlock | None:
+    def free_draft(self, req_ids: list[str], texts: list[list[int]], device=None) -> DraftBlock | None:
         """None: every draft of a trained drafter costs a forward pass."""
         return None
 

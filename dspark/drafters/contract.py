@@ -54,6 +54,7 @@ class DrafterContract(Protocol):
     def draft(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor,
               generators: list) -> DraftBlock: ...
 
-    # Drafts that cost nothing to make (prompt lookup), for their confidences while the drafter is
-    # skipped: a block over all req_ids (NO_GUESS where there is none), or None when there is none.
-    def free_draft(self, req_ids: list[str], anchors: torch.Tensor) -> DraftBlock | None: ...
+    # Drafts that cost nothing to make (prompt lookup), from each request's tokens alone (the last
+    # is its anchor; no context update needed), while the drafter is skipped: a block over all
+    # req_ids (NO_GUESS rows where there is none) on `device`, or None when there is none.
+    def free_draft(self, req_ids: list[str], texts: list[list[int]], device=None) -> DraftBlock | None: ...

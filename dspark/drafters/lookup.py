@@ -80,7 +80,7 @@ class LookupDrafter:
         return self.inner.context_len(req_id) + sum(len(t) for _, t in self._held.get(req_id, ()))
 
     def extend_context(self, req_id: str, features: torch.Tensor, tokens: torch.Tensor) -> None:
-        self._text(req_id).append(tokens.tolist())
+        self._text(req_id).sync(tokens.tolist(), start=self.context_len(req_id))  # free_draft may know them
         if self.inner.remote:  # a remote drafter holds new rows itself until it next sends
             self.inner.extend_context(req_id, features, tokens)
             return
@@ -151,13 +151,15 @@ class LookupDrafter:
                 return inner
         return self._merge(len(req_ids), guesses, rest, inner, anchors.device)
 
-    def free_draft(self, req_ids: list[str], anchors: torch.Tensor) -> DraftBlock | None:
-        """Lookup's blocks alone (NO_GUESS rows where it has none), or None when it has none: what
-        it would draft, for the scheduler to weigh while the drafter is skipped."""
+    def free_draft(self, req_ids: list[str], texts: list[list[int]], device=None) -> DraftBlock | None:
+        """Lookup's blocks alone (NO_GUESS rows where it has none), or None when it has none. Needs
+        only each request's tokens (the last one its anchor): the drafter's context is not touched."""
         if not self.inner.has_confidence:
             return None
-        guesses = self._look_up(req_ids, anchors.tolist())
-        return self._merge(len(req_ids), guesses, [], None, anchors.device) if guesses else None
+        for req_id, text in zip(req_ids, texts):
+            self._text(req_id).sync(text[:-1])
+        guesses = self._look_up(req_ids, [text[-1] for text in texts])
+        return self._merge(len(req_ids), guesses, [], None, device) if guesses else None
 
     def _look_up(self, req_ids: list[str], anchors: list[int]) -> dict[int, tuple[list[int], int]]:
         """{row: (guess, n)} for the requests whose suffix occurred before; remembered for scoring."""
@@ -180,26 +182,25 @@ class LookupDrafter:
             self.stats.record(n, guess, decided)
 
     def _merge(self, num: int, guesses: dict, rest: list[int], inner: DraftBlock | None, device) -> DraftBlock:
+        """One block: lookup's rows as point masses with lookup's confidences, the drafter's rows as it
+        drafted them; rows in neither (free drafts without a match) token 0 at NO_GUESS."""
         gamma = self.gamma
-        support = inner.support_ids.shape[-1] if inner is not None else 1
-        tokens = torch.zeros(num, gamma, dtype=torch.long, device=device)
-        support_ids = torch.zeros(num, gamma, support, dtype=torch.long, device=device)
-        support_probs = torch.zeros(num, gamma, support, dtype=torch.float32, device=device)
-        with_conf = self.inner.has_confidence
-        conf = torch.full((num, gamma), NO_GUESS, dtype=torch.float32, device=device) if with_conf else None
-        support_probs[:, :, 0] = 1.0  # rows without a guess (free drafts): token 0, never verified
+        rows, conf_rows = [[0] * gamma for _ in range(num)], [[NO_GUESS] * gamma for _ in range(num)]
         for i, (guess, n) in guesses.items():
-            padded = guess + [guess[-1]] * (gamma - len(guess))  # past the guess: a filler, NO_GUESS
-            tokens[i] = torch.tensor(padded, device=device)
-            support_ids[i, :, 0] = tokens[i]
-            support_probs[i, :, 0] = 1.0
-            if with_conf:
-                conf[i] = torch.tensor(self.stats.logits(n, len(guess)), device=device)
+            rows[i] = guess + [guess[-1]] * (gamma - len(guess))  # past the guess: a filler, NO_GUESS
+            conf_rows[i] = self.stats.logits(n, len(guess))
+        tokens = torch.tensor(rows, dtype=torch.long, device=device)  # built on the host, one copy
+        support = inner.support_ids.shape[-1] if inner is not None else 1
+        support_ids = torch.nn.functional.pad(tokens[..., None], (0, support - 1))
+        support_probs = torch.zeros(num, gamma, support, dtype=torch.float32, device=device)
+        support_probs[..., 0] = 1.0
+        conf = torch.tensor(conf_rows, dtype=torch.float32, device=device) if self.inner.has_confidence else None
+        # The drafter's confidences go through its calibration; lookup's record and NO_GUESS as they are.
+        calibrated = torch.ones(num, dtype=torch.bool, device=device)
         if inner is not None:
             pick = torch.tensor(rest, device=device)
             tokens[pick], support_ids[pick], support_probs[pick] = inner.tokens, inner.support_ids, inner.support_probs
-            if with_conf:
+            if conf is not None:
                 conf[pick] = inner.conf_logits.float()
-        calibrated = torch.zeros(num, dtype=torch.bool, device=device)
-        calibrated[list(guesses)] = True
+            calibrated[pick] = False
         return DraftBlock(tokens, conf, support_ids, support_probs, calibrated=calibrated)

@@ -25,6 +25,12 @@ class NgramIndex:
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
                 self._last_end[tuple(self.tokens[end - n + 1:end + 1])] = end
 
+    def sync(self, tokens: list[int], start: int = 0) -> None:
+        """`tokens` are positions start.. of the text: append those past what is indexed (the rest
+        is known already, e.g. from an earlier sync with the whole text)."""
+        if len(self.tokens) < start + len(tokens):
+            self.append(tokens[max(0, len(self.tokens) - start):])
+
     def truncate(self, length: int) -> None:
         if length >= len(self.tokens):
             return

@@ -179,15 +179,15 @@ class SpecEngine(Engine):
         # depend on other requests or on the scheduler's state: it verifies a fixed number.
         seeded = [s.params.seed is not None and s.params.temperature > 0 for s in seqs]
         fixed = self.policy.default_draft_len
-        device = self.model.device
-        req_ids = [s.req_id for s in seqs]
-        anchors = host_values([s.tokens[-1] for s in seqs], torch.long, device)
         if not self.policy.should_draft(len(seqs)) and not (fixed and any(seeded)):
-            block = self._free_draft(seqs, req_ids, anchors)
+            block = self._free_draft(seqs)
             if block is None:
                 return None, [0] * len(seqs)
             lens = self.policy.free_lengths(block, caps)
             return block, [0 if seeded[i] else n for i, n in enumerate(lens)]  # a seeded replay verifies none
+        device = self.model.device
+        req_ids = [s.req_id for s in seqs]
+        anchors = host_values([s.tokens[-1] for s in seqs], torch.long, device)
         temperatures = host_values([s.params.temperature for s in seqs], torch.float32, device)
         try:
             # Positions the drafter takes in before it drafts: one per request when it is current.
@@ -204,17 +204,12 @@ class SpecEngine(Engine):
                 lens[i] = min(caps[i], fixed)
         return block, lens
 
-    def _free_draft(self, seqs: list[Sequence], req_ids: list[str], anchors: torch.Tensor):
+    def _free_draft(self, seqs: list[Sequence]):
         """While the drafter is skipped, the drafts that cost nothing (prompt lookup), verified as far
         as the policy's free_lengths says they pay. Kept out of the step report and the checks: the
         budget and the calibration are the drafter's, and lookup scores its own guesses. None when
         there are none."""
-        try:
-            for s in seqs:
-                self._sync_drafter(s)
-            block = self.drafter.free_draft(req_ids, anchors)
-        except DrafterUnavailable:
-            return None
+        block = self.drafter.free_draft([s.req_id for s in seqs], [s.tokens for s in seqs], self.model.device)
         self._free = block is not None
         return block
 
@@ -316,11 +311,12 @@ class SpecEngine(Engine):
         for the drafter, metrics and the step report updated, finished requests released."""
         report = StepReport(batch_size=len(step.seqs), batch_tokens=len(step.batch.tokens))
         events, first = [], 0
+        features = step.out.features.to(torch.bfloat16) if self.capture_layers else None  # one conversion a step
         for i, seq in enumerate(step.seqs):
             n_acc, n_head = num_acc[i], len(step.heads[i])
             kept = n_head + n_acc  # rows of this pass that are now decided context
             if self.capture_layers:
-                seq.spec.log_features(step.out.features[first:first + kept].to(torch.bfloat16))
+                seq.spec.log_features(features[first:first + kept])
             first += n_head + step.lens[i]
             if (block is not None and i >= step.num_admitted and step.lens[i] == 0 and block.conf_logits is not None
                     and seq.params.temperature == 0):  # drafted, none verified: checked once decided

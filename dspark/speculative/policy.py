@@ -132,8 +132,10 @@ class ConfidencePolicy:
     def _survival(self, block) -> np.ndarray:
         """Prefix survivals of a block: the drafter's rows through STS and the live offset, rows
         calibrated already (prompt lookup) as they are."""
-        survival = calibrated_survival(block.conf_logits, self.temperatures, self.offset.value)
         calibrated = getattr(block, "calibrated", None)  # a DraftBlock's; absent on a bare confidences holder
+        if calibrated is not None and bool(calibrated.all()):
+            return calibrated_survival(block.conf_logits)
+        survival = calibrated_survival(block.conf_logits, self.temperatures, self.offset.value)
         if calibrated is not None and bool(calibrated.any()):
             survival[calibrated.cpu().numpy()] = calibrated_survival(block.conf_logits[calibrated])
         return survival
