@@ -80,8 +80,10 @@ def cluster(tmp_path_factory, collector):
         services += [drafter, scheduler]
         # A draft every step: on the tiny target drafting never pays, and K = 0 would skip it. No prompt
         # lookup: its blocks never reach the drafter, and every drafted step here must have a draft span.
+        # A 10 s drafter deadline: on a loaded CI host the first drafts can pass the helpers' 1 s, and
+        # a generation without drafts has no draft metrics to check.
         verifier, v_addr = start_verifier(target, tmp, d_addr, s_addr, metrics_port=ports["verifier"],
-                                          draft_probe_every=1, lookup="off")
+                                          draft_probe_every=1, lookup="off", drafter_timeout_s=10)
         services.append(verifier)
         for service, address in ((drafter, d_addr), (scheduler, s_addr), (verifier, v_addr)):
             wait_serving(address, service, timeout=120)
