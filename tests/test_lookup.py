@@ -222,3 +222,19 @@ def test_lookup_rows_keep_their_own_calibration_in_the_policy():
     survival = policy._survival(block)
     raw = torch.sigmoid(z[1].double()).cumprod(0).numpy()
     assert abs(survival[1] - raw).max() < 1e-9 and abs(survival[0] - raw).max() > 0.01
+
+
+def test_free_lengths_verify_nothing_before_any_step_time_is_known():
+    from dspark.sched.budget_source import ScheduledBudget
+    from dspark.speculative.policy import ConfidencePolicy
+    from verifier_svc.sps_profile import LiveSps
+
+    target = tiny_target()
+    drafter = LookupDrafter(random_drafter(target, "dspark"))
+    block = drafter.free_draft(["a"], [[3, 4, 3, 4, 3]])
+    sps = LiveSps()  # a verifier started with --sps-warmup-s=0: empty until its first steps
+    policy = ConfidencePolicy(ScheduledBudget(default_draft_len=3), free_sps=sps)
+    assert policy.free_lengths(block, [4]) == [0]
+    sps.observe(1, 0.01)
+    sps.observe(5, 0.011)
+    assert policy.free_lengths(block, [4]) == [4]  # four guesses at p = 1/2 each, nearly free to verify

@@ -10,8 +10,8 @@ for the drafter service) and reach the drafter in one batch when it drafts for t
 step that lookup answers costs no drafter compute and no round trip.
 
 Confidences of lookup blocks are what lookup has earned: per match length and block position, the
-share of its past guesses that the tokens decided since confirmed (LookupStats), as logits, so
-the scheduler weighs lookup and drafter blocks on one scale. Positions past a short guess get
+share of its past guesses that the tokens decided since confirmed (LookupStats), as logits that
+the policy takes as they are (DraftBlock.calibrated) beside the drafter's calibrated ones. Positions past a short guess get
 NO_GUESS (never worth verifying; a fixed-length policy verifies them anyway, harmlessly).
 """
 from __future__ import annotations

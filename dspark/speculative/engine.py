@@ -267,7 +267,7 @@ class SpecEngine(Engine):
         self._take_probe(self.last_report)
         self._take_checks(step, self.last_report)
         self._push_context(drafted=block is not None and not self._free)
-        # A free block (lookup while skipped) is not drafting: no draft cost, nothing verified.
+        # A free block (lookup while skipped) is not drafting: no draft cost, nothing for the drafter's tables.
         self.last_report.draft_seconds, self.last_report.drafted = draft_seconds, block is not None and not self._free
         self.last_report.draft_context_rows = self._draft_context_rows
         self.last_report.seconds = time.perf_counter() - t0

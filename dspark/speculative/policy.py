@@ -146,7 +146,10 @@ class ConfidencePolicy:
         if self.free_sps is None or block.conf_logits is None:
             return [0] * len(draft_lens)
         survival = self._survival(block)
-        budget = budget_from_survival(survival, self.free_sps)
+        try:
+            budget = budget_from_survival(survival, self.free_sps)
+        except ValueError:  # no step time measured yet (a live SPS table fills from steps): verify none
+            return [0] * len(draft_lens)
         return [int(x) for x in admit_top_k(survival, budget, np.asarray(draft_lens))]
 
     def lengths(self, block, draft_lens: list[int]) -> list[int]:
