@@ -244,3 +244,19 @@ def test_lookup_in_front_of_the_remote_drafter_skips_the_round_trip_and_keeps_th
     assert [s.output for s in seqs] == reference
     drafts_sent = sum(not r.context_only for r in remote.sent)
     assert sum(map(sum, drafter.stats.tries)) > 0 and drafts_sent < drafted  # some steps never asked the service
+
+
+def test_the_drafter_service_looks_up_itself_when_asked(drafter_service):
+    """drafter_svc --lookup=on (for verifiers that do not look up): a repeated phrase is answered by
+    lookup, point masses; the flag's default leaves the drafter alone."""
+    path = drafter_service[0]
+    plain = load(parse_args([f"--target-model={path}", "--gamma=4", "--num-layers=1"]))[0]
+    drafter = load(parse_args([f"--target-model={path}", "--gamma=4", "--num-layers=1", "--lookup=on"]))[0]
+    assert not hasattr(plain, "stats") and hasattr(drafter, "stats")
+    width = len(drafter.ctx_layers) * drafter.cfg.hidden_size
+    keys, limits = OrderedDict(), Limits(drafter.cfg.vocab_size)
+    request = drafter_pb2.DraftRequest(step=1, sequences=[drafter_pb2.SequenceUpdate(
+        request_id="r", tokens=[7, 8, 9, 7, 8], context_len=0, anchor_token=9,
+        hidden=tensor_to_proto(torch.randn(5, width).bfloat16()))])
+    reply = answer(drafter, 1, keys, request, width, limits)
+    assert list(reply.sequences[0].tokens) == [7, 8, 9, 7]  # (8, 9) was followed by 7, 8, then the loop
