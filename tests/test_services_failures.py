@@ -44,16 +44,17 @@ def streams(address, prompts=PROMPTS, **kw):
     return [StreamThread(address, token_ids=p, max_tokens=MAX_TOKENS, **kw) for p in prompts]
 
 
-def test_drafter_killed_mid_stream_fails_nothing_and_speculation_resumes(target, logs, services):
+def kill_drafter_mid_stream(target, logs, services, tokens_first: int, **verifier_flags) -> tuple[str, str]:
+    """A drafter and a verifier; streams running; the drafter killed once each has tokens_first
+    tokens. Every stream must still finish with exactly the plain greedy text. Returns the
+    verifier's and the dead drafter's addresses."""
     path, reference = target
     drafter, d_addr = start(services, start_drafter(path, logs))
     wait_serving(d_addr, drafter)
-    # No prompt lookup: it drafts with no drafter at all, and what is tested is the drafter's absence.
-    verifier, v_addr = start(services, start_verifier(path, logs, d_addr, lookup="off"))
+    verifier, v_addr = start(services, start_verifier(path, logs, d_addr, **verifier_flags))
     wait_serving(v_addr, verifier)
-
     running = streams(v_addr)
-    wait_until(lambda: all(len(s.tokens) >= 20 for s in running), 60, what="tokens flowing")
+    wait_until(lambda: all(len(s.tokens) >= tokens_first for s in running), 60, what="tokens flowing")
     drafter.kill()
     before = [len(s.tokens) for s in running]
     results = [s.result() for s in running]
@@ -61,6 +62,13 @@ def test_drafter_killed_mid_stream_fails_nothing_and_speculation_resumes(target,
     for result, want in zip(results, reference):
         assert list(result.token_ids) == want  # no failure, no corruption: still exactly plain greedy
         assert result.finish_reason.value == "length"
+    return v_addr, d_addr
+
+
+def test_drafter_killed_mid_stream_fails_nothing_and_speculation_resumes(target, logs, services):
+    path, reference = target
+    # No prompt lookup: it drafts with no drafter at all, and what is tested is the drafter's absence.
+    v_addr, d_addr = kill_drafter_mid_stream(target, logs, services, 20, lookup="off")
 
     # Without a drafter requests decode plainly ...
     plain = StreamThread(v_addr, token_ids=PROMPTS[0], max_tokens=40).result()
@@ -80,19 +88,8 @@ def test_drafter_killed_mid_stream_fails_nothing_and_speculation_resumes(target,
 def test_with_prompt_lookup_a_killed_drafter_changes_no_token_and_lookup_keeps_drafting(target, logs, services):
     """The verifier's default: lookup in front of the drafter service. The service dies mid-stream:
     no failure, the same greedy text, and lookup (which needs no drafter) still drafts."""
-    path, reference = target
-    drafter, d_addr = start(services, start_drafter(path, logs))
-    wait_serving(d_addr, drafter)
-    verifier, v_addr = start(services, start_verifier(path, logs, d_addr))
-    wait_serving(v_addr, verifier)
-    running = streams(v_addr)
-    wait_until(lambda: all(len(s.tokens) >= 4 for s in running), 60, what="tokens flowing")
-    drafter.kill()
-    before = [len(s.tokens) for s in running]
-    results = [s.result() for s in running]
-    assert any(n < MAX_TOKENS for n in before), "the drafter died after the streams ended: nothing was tested"
-    for result, want in zip(results, reference):
-        assert list(result.token_ids) == want and result.finish_reason.value == "length"
+    _, reference = target
+    v_addr, _ = kill_drafter_mid_stream(target, logs, services, 4)
     after = StreamThread(v_addr, token_ids=PROMPTS[0], max_tokens=40).result()
     assert list(after.token_ids) == reference[0][:40] and after.metrics.accepted_tokens > 0
 

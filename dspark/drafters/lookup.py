@@ -157,7 +157,8 @@ class LookupDrafter:
         if not self.inner.has_confidence:
             return None
         for req_id, text in zip(req_ids, texts):
-            self._text(req_id).sync(text[:-1])
+            index = self._text(req_id)
+            index.sync(text[len(index):-1], start=len(index))  # only what it lacks: no copy of the text
         guesses = self._look_up(req_ids, [text[-1] for text in texts])
         return self._merge(len(req_ids), guesses, [], None, device) if guesses else None
 

@@ -42,22 +42,26 @@ class NgramIndex:
         """Up to k tokens after `anchor` (the token after the indexed ones): what followed the latest
         earlier occurrence of the longest suffix n-gram, re-looked-up as the guess grows (so a loop
         is followed round). Returns (tokens, n of the first match; 0 when nothing matched)."""
-        text, out, first_n = self.tokens + [anchor], [], 0
+        # The text is tokens + [anchor] + out; only its last max_n tokens are matched, so only those
+        # are kept (no copy of the whole text per call: this runs for every request every step).
+        suffix, out, first_n = self.tokens[-self.max_n:] + [anchor], [], 0
         while len(out) < k:
-            n, end = self._match(text)
+            n, end = self._match(suffix)
             if not n:
                 break
             first_n = first_n or n
-            take = text[end + 1:end + 1 + k - len(out)]
+            need = k - len(out)
+            take = self.tokens[end + 1:end + 1 + need]  # end < len(tokens): what followed, anchor on
+            take += ([anchor] + out)[:need - len(take)]
             out += take
-            text = text + take
+            suffix = (suffix + take)[-self.max_n:]
         return out, first_n
 
-    def _match(self, text: list[int]) -> tuple[int, int]:
-        """(n, end) of the longest suffix of `text` seen in the indexed tokens, else (0, -1). The
-        suffix ends past them (at the anchor or a guess), so any hit is an earlier occurrence."""
-        for n in range(min(self.max_n, len(text)), self.min_n - 1, -1):
-            end = self._last_end.get(tuple(text[-n:]))
+    def _match(self, suffix: list[int]) -> tuple[int, int]:
+        """(n, end) of the longest suffix of `suffix` seen in the indexed tokens, else (0, -1). It
+        ends past them (at the anchor or a guess), so any hit is an earlier occurrence."""
+        for n in range(min(self.max_n, len(suffix)), self.min_n - 1, -1):
+            end = self._last_end.get(tuple(suffix[-n:]))
             if end is not None:
                 return n, end
         return 0, -1
