@@ -55,13 +55,18 @@ class Registry:
     def revive(self, address: str) -> None:
         self._dead_until.pop(address, None)
 
-    def background(self, coro) -> None:
-        """Run a store call without making the caller wait; failures only flip store_ok."""
-        task = asyncio.get_running_loop().create_task(self._guard(coro))
+    def background(self, coro, after: asyncio.Task | None = None) -> asyncio.Task:
+        """Run a store call without making the caller wait; failures only flip store_ok.
+
+        `after`: a store call this one must follow (an undo issued before its do would be lost)."""
+        task = asyncio.get_running_loop().create_task(self._guard(coro, after))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
-    async def _guard(self, coro):
+    async def _guard(self, coro, after: asyncio.Task | None = None):
+        if after is not None:
+            await after  # never raises: it is a _guard too
         try:
             result = await asyncio.wait_for(coro, 1.0)
             self._set_store_ok(True)

@@ -58,26 +58,25 @@ class Router:
     async def acquire(self, request_id: str) -> str | None:
         """A verifier address, counted in flight; None when none had room within the queue timeout."""
         deadline = time.monotonic() + self.queue_timeout_s
-        queued = False
+        queued = None  # the store call that put this request on the pending list
         try:
             while True:
                 address = self.registry.choose()
                 if address is not None:
                     self.registry.inflight[address] += 1
                     return address
-                if not queued:
-                    queued = True
+                if queued is None:
                     self.waiting += 1
                     metrics.QUEUE_DEPTH.set(self.waiting)
-                    self.registry.background(self.registry.store.push_pending(request_id))
+                    queued = self.registry.background(self.registry.store.push_pending(request_id))
                 if time.monotonic() >= deadline:
                     return None
                 await asyncio.sleep(0.05)
         finally:
-            if queued:
+            if queued is not None:
                 self.waiting -= 1
                 metrics.QUEUE_DEPTH.set(self.waiting)
-                self.registry.background(self.registry.store.remove_pending(request_id))
+                self.registry.background(self.registry.store.remove_pending(request_id), after=queued)
 
     def release(self, address: str) -> None:
         self.registry.inflight[address] -= 1

@@ -70,6 +70,23 @@ async def test_store_registry_ttl_and_pending_queue(make):
     await store.close()
 
 
+async def test_a_request_leaves_the_pending_list_even_when_its_removal_is_issued_before_its_push_lands():
+    import asyncio
+
+    from scheduler_svc.registry import Registry
+
+    class SlowPushStore(MemoryStore):  # a push still in flight when the request already got a verifier
+        async def push_pending(self, request_id):
+            await asyncio.sleep(0.05)
+            await super().push_pending(request_id)
+
+    registry = Registry(SlowPushStore())
+    push = registry.background(registry.store.push_pending("r1"))
+    await registry.background(registry.store.remove_pending("r1"), after=push)
+    assert await registry.store.pending_len() == 0
+    assert registry.store_ok
+
+
 def _update(req, n, ctx, width, anchor=3, **kw):
     return drafter_pb2.SequenceUpdate(request_id=req, tokens=list(range(5, 5 + n)), anchor_token=anchor,
                                       context_len=ctx, hidden=tensor_to_proto(torch.randn(n, width).bfloat16()), **kw)
