@@ -39,7 +39,8 @@ def _check_ids(request_id: str, what: str, ids, vocab_size: int) -> None:
         raise WireError(f"request {request_id!r}: {what} {bad} is outside the vocabulary [0, {vocab_size})")
 
 
-def decode_updates(request: drafter_pb2.DraftRequest, width: int, limits: Limits) -> list[tuple]:
+def decode_updates(request: drafter_pb2.DraftRequest, width: int, limits: Limits,
+                   drafts_ahead: bool = True) -> list[tuple]:
     """Check every sequence before anything changes; raises WireError (-> INVALID_ARGUMENT).
 
     Returns (update, hidden [n, width] or None) for each sequence that is not a release."""
@@ -61,7 +62,9 @@ def decode_updates(request: drafter_pb2.DraftRequest, width: int, limits: Limits
         n = len(update.tokens)
         _check_ids(update.request_id, "anchor_token", [update.anchor_token], limits.vocab_size)
         _check_ids(update.request_id, "context token", update.tokens, limits.vocab_size)
-        if update.context_len + n > limits.max_len:
+        if update.ahead and not drafts_ahead:
+            raise WireError(f"request {update.request_id!r}: this drafter does not draft ahead (ahead={update.ahead})")
+        if update.context_len + n + update.ahead > limits.max_len:
             raise WireError(f"request {update.request_id!r}: context of {update.context_len + n} positions; "
                             f"at most {limits.max_len}")
         hidden = None
@@ -102,7 +105,7 @@ def answer(drafter: Drafter, stream: int, keys: OrderedDict, request: drafter_pb
            width: int, limits: Limits) -> drafter_pb2.DraftResponse | None:
     """One DraftRequest -> one DraftResponse (None for a context push, which drafts nothing);
     `keys` tracks the stream's contexts, least recently used first."""
-    updates = decode_updates(request, width, limits)
+    updates = decode_updates(request, width, limits, drafter.drafts_ahead)
     for update in request.sequences:
         if update.release:
             key = context_key(stream, update.request_id)
@@ -128,11 +131,12 @@ def answer(drafter: Drafter, stream: int, keys: OrderedDict, request: drafter_pb
         return None
     blocks = {}
     if drafting:
-        gens = [torch.Generator().manual_seed(draft_seed(u.seed, u.context_len + len(u.tokens)))
+        gens = [torch.Generator().manual_seed(draft_seed(u.seed, u.context_len + len(u.tokens) + u.ahead))
                 if u.HasField("seed") else None for u in drafting]
+        ahead = {"gaps": [u.ahead for u in drafting]} if any(u.ahead for u in drafting) else {}
         block = drafter.draft([context_key(stream, u.request_id) for u in drafting],
                               torch.tensor([u.anchor_token for u in drafting], dtype=torch.long),
-                              torch.tensor([u.temperature for u in drafting], dtype=torch.float32), gens)
+                              torch.tensor([u.temperature for u in drafting], dtype=torch.float32), gens, **ahead)
         block = block_to_host(block)  # off the drafter's device in one go, onto the wire
         for i, u in enumerate(drafting):
             blocks[u.request_id] = drafter_pb2.SequenceDraft(

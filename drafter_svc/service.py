@@ -42,7 +42,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         d = self.drafter
         info = drafter_pb2.DrafterInfoResponse(
             kind=d.kind, version=d.version, gamma=d.gamma, target_layers=d.ctx_layers,
-            hidden_size=d.cfg.hidden_size, target_model=self.target_model, has_confidence=d.has_confidence)
+            hidden_size=d.cfg.hidden_size, target_model=self.target_model, has_confidence=d.has_confidence,
+            drafts_ahead=d.drafts_ahead)
         if self.sts_temperatures is not None:
             info.sts_temperatures.CopyFrom(tensor_to_proto(torch.tensor(self.sts_temperatures, dtype=torch.float32)))
         return info

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -125,6 +126,14 @@ def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "co
             return value
         time.sleep(interval)
     raise TimeoutError(f"{what} not reached within {timeout} s")
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A service's Prometheus metrics: sample (with labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)
+            if name and not name.startswith("#")}
 
 
 def start_drafter(target: str, log_dir: Path, port: int | None = None, **flags) -> tuple[Service, str]:
@@ -266,7 +275,6 @@ def start_gateway(scheduler: str, log_dir: Path, port: int | None = None, api_ke
 def wait_http_ok(url: str, service: Service | None = None, timeout: float = 60) -> None:
     """Until GET url answers 200 (the gateway's /health: the scheduler routes to a verifier)."""
     import urllib.error
-    import urllib.request
 
     def ok() -> bool:
         if service is not None and service.proc.poll() is not None:

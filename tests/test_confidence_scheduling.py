@@ -13,11 +13,11 @@ The tests share one cluster and run in file order: the last one kills the schedu
 from __future__ import annotations
 
 import time
-import urllib.request
 
 import pytest
-from service_helpers import (RedisServer, StreamThread, free_port, internal_channel, start_drafter, start_scheduler,
-                             start_verifier, tiny_target_and_reference, wait_registered, wait_serving, wait_until)
+from service_helpers import (RedisServer, StreamThread, free_port, internal_channel, scrape, start_drafter,
+                             start_scheduler, start_verifier, tiny_target_and_reference, wait_registered, wait_serving,
+                             wait_until)
 
 from dspark.proto_gen.v1 import verifier_pb2, verifier_pb2_grpc
 
@@ -63,13 +63,6 @@ def cluster(target, tmp_path_factory):
         for service in reversed(services):
             service.kill()
         redis_server.kill()
-
-
-def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        lines = response.read().decode().splitlines()
-    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)
-            if name and not name.startswith("#")}
 
 
 def get_load(address: str):

@@ -1,5 +1,7 @@
-"""Context push (issue 13): after every step the verifier sends a remote drafter its new decided
-positions without waiting, so the next draft carries no context and waits only for the draft."""
+"""Context push and draft-ahead (issue 13): after every step the verifier sends a remote drafter its
+new decided positions without waiting, so the next draft carries no context and waits only for the
+draft; while the target verifies a block, the drafter drafts the next one on a guess, and a step
+whose guess held waits for no draft at all."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -14,7 +16,7 @@ from drafter_svc.contexts import Limits, answer
 from dspark.proto_gen.v1 import drafter_pb2
 from dspark.sampling import SamplingParams
 from dspark.serving import config
-from dspark.wire import tensor_to_proto
+from dspark.wire import WireError, tensor_from_proto, tensor_to_proto
 from verifier_svc.remote_drafter import RemoteDrafter
 
 
@@ -242,7 +244,7 @@ def test_lookup_in_front_of_the_remote_drafter_skips_the_round_trip_and_keeps_th
         engine.step()
         drafted += engine.last_report.drafted
     assert [s.output for s in seqs] == reference
-    drafts_sent = sum(not r.context_only for r in remote.sent)
+    drafts_sent = sum(not r.context_only and not any(u.ahead for u in r.sequences) for r in remote.sent)
     assert sum(map(sum, drafter.stats.tries)) > 0 and drafts_sent < drafted  # some steps never asked the service
 
 
@@ -260,3 +262,88 @@ def test_the_drafter_service_looks_up_itself_when_asked(drafter_service):
         hidden=tensor_to_proto(torch.randn(5, width).bfloat16()))])
     reply = answer(drafter, 1, keys, request, width, limits)
     assert list(reply.sequences[0].tokens) == [7, 8, 9, 7]  # (8, 9) was followed by 7, 8, then the loop
+
+
+def test_a_draft_ahead_drafts_past_the_context_and_leaves_it_as_it_was():
+    drafter = random_drafter(tiny_target(), "dspark", gamma=3)
+    width = len(drafter.ctx_layers) * drafter.cfg.hidden_size
+    keys, limits = OrderedDict(), Limits(drafter.cfg.vocab_size)
+    assert answer(drafter, 1, keys, drafter_pb2.DraftRequest(step=1, context_only=True, sequences=[
+        _update("a", 6, 0, width)]), width, limits) is None
+    request = drafter_pb2.DraftRequest(step=2, sequences=[drafter_pb2.SequenceUpdate(
+        request_id="a", context_len=6, anchor_token=9, ahead=2)])
+    ahead = answer(drafter, 1, keys, request, width, limits).sequences[0]
+    assert drafter.context_len("1:a") == 6  # nothing of the guess enters the context
+    local = drafter.draft(["1:a"], torch.tensor([9]), torch.zeros(1), [None], gaps=[2])  # anchor at position 8
+    assert list(ahead.tokens) == local.tokens[0].tolist()
+    assert torch.equal(tensor_from_proto(ahead.confidence_logits), local.conf_logits[0])
+    # EAGLE-3 drafts step by step from its own features: nothing to draft ahead from.
+    eagle = random_drafter(tiny_target(), "eagle3", gamma=3)
+    assert not eagle.drafts_ahead
+    with pytest.raises(WireError, match="does not draft ahead"):
+        answer(eagle, 1, OrderedDict(), request, len(eagle.ctx_layers) * eagle.cfg.hidden_size,
+               Limits(eagle.cfg.vocab_size))
+
+
+def test_the_remote_drafter_takes_a_row_drafted_ahead_when_its_guess_held(drafter_service, remote):
+    """Two requests drafted ahead; after the step one has the guessed anchor at the guessed position,
+    the other not: the first row comes from the draft ahead, only the second is asked for."""
+    local, sent = _service_weights(drafter_service[0]), remote.sent
+    width = len(local.ctx_layers) * local.cfg.hidden_size
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(9, width, generator=g).bfloat16().float()
+    toks = torch.randint(0, local.cfg.vocab_size, (9,), generator=g)
+    for r in ("r1", "r2"):
+        remote.extend_context(r, feats[:7], toks[:7])
+    remote.draft_ahead(["r1", "r2"], [17, 18], [2, 2], [0.0, 0.0])  # guesses: anchor 17 / 18 at position 9
+    for r in ("r1", "r2"):  # the step decided positions 7 and 8
+        remote.extend_context(r, feats[7:], toks[7:])
+    block = remote.draft(["r1", "r2"], torch.tensor([17, 5]), torch.zeros(2), [None, None])
+    assert [[(u.request_id, u.context_len, len(u.tokens), u.ahead) for u in r.sequences] for r in sent] == [
+        [("r1", 0, 7, 2), ("r2", 0, 7, 2)],  # the draft ahead carried the unsent context
+        [("r2", 7, 2, 0)]]  # r2's guess failed: drafted afresh; r1 was not asked for
+    for r in ("r1", "r2"):
+        local.extend_context(r, feats[:7], toks[:7])
+    want_r1 = local.draft(["r1"], torch.tensor([17]), torch.zeros(1), [None], gaps=[2])
+    local.extend_context("r2", feats[7:], toks[7:])
+    want_r2 = local.draft(["r2"], torch.tensor([5]), torch.zeros(1), [None])
+    assert block.tokens.tolist() == [want_r1.tokens[0].tolist(), want_r2.tokens[0].tolist()]
+    assert remote.context_len("r1") == 9 and remote.context_len("r2") == 9
+    remote.push()  # r1's new positions go with the push, as after any step
+    assert [(u.request_id, u.context_len, len(u.tokens)) for u in sent[-1].sequences] == [("r1", 7, 2)]
+    # An answer drafted ahead is used once: the next draft is a fresh one.
+    remote.draft(["r1"], torch.tensor([17]), torch.zeros(1), [None])
+    assert [(u.request_id, u.context_len, len(u.tokens), u.ahead) for u in sent[-1].sequences] == [("r1", 9, 0, 0)]
+
+
+def test_drafting_ahead_with_the_shipped_drafter_keeps_the_greedy_text(smollm2, tmp_path, monkeypatch):
+    """The real target and the shipped DSpark drafter in a drafter service, 2 of 7 drafts verified a
+    step, two requests in the batch: blocks drafted ahead are used (some steps wait for no draft,
+    some merge rows drafted ahead with fresh ones) and the text is plain greedy decoding's."""
+    from dspark.drafters.shipped import default_drafter_dir
+    from dspark.engine.generate import Engine
+    from dspark.serving import metrics
+    from dspark.speculative.engine import SpecEngine
+    from dspark.speculative.policy import FixedDraftLen
+
+    service, address = start_drafter(smollm2.name, tmp_path, checkpoint=str(default_drafter_dir(smollm2.name)))
+    try:
+        wait_serving(address, service, timeout=300)
+        monkeypatch.setenv("DSPARK_INTERNAL_TOKEN", TOKEN)
+        config.reset_peer_settings()
+        remote = RemoteDrafter(address, timeout_s=30)
+        assert remote.connect(60) and remote.drafts_ahead
+        questions = ["What is 12 times 7? Think step by step.", "Write a Python function that adds two numbers."]
+        prompts = [smollm2.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+        params = SamplingParams(max_tokens=64)
+        reference = [s.output for s in Engine(smollm2.model, max_batch=2, max_len=1024).generate(prompts, params)]
+        used = metrics.DRAFTS_AHEAD_USED._value.get()
+        engine = SpecEngine(smollm2.model, remote, FixedDraftLen(2), max_batch=2, max_len=1024)
+        seqs = [engine.add(p, params) for p in prompts]
+        while engine.has_work():
+            engine.step()
+        remote.close()
+    finally:
+        service.terminate(30)
+    assert [s.output for s in seqs] == reference
+    assert metrics.DRAFTS_AHEAD_USED._value.get() - used > 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from service_helpers import (RedisServer, StreamThread, free_port, start_drafter, start_scheduler, start_verifier,
+from service_helpers import (RedisServer, StreamThread, free_port, scrape, start_drafter, start_scheduler, start_verifier,
                              tiny_target_and_reference, wait_registered, wait_serving, wait_until)
 
 
@@ -44,17 +44,19 @@ def streams(address, prompts=PROMPTS, **kw):
     return [StreamThread(address, token_ids=p, max_tokens=MAX_TOKENS, **kw) for p in prompts]
 
 
-def kill_drafter_mid_stream(target, logs, services, tokens_first: int, **verifier_flags) -> tuple[str, str]:
+def kill_drafter_mid_stream(target, logs, services, tokens_first: int, before_kill=lambda: True,
+                            **verifier_flags) -> tuple[str, str]:
     """A drafter and a verifier; streams running; the drafter killed once each has tokens_first
-    tokens. Every stream must still finish with exactly the plain greedy text. Returns the
-    verifier's and the dead drafter's addresses."""
+    tokens and before_kill() holds. Every stream must still finish with exactly the plain greedy
+    text. Returns the verifier's and the dead drafter's addresses."""
     path, reference = target
     drafter, d_addr = start(services, start_drafter(path, logs))
     wait_serving(d_addr, drafter)
     verifier, v_addr = start(services, start_verifier(path, logs, d_addr, **verifier_flags))
     wait_serving(v_addr, verifier)
     running = streams(v_addr)
-    wait_until(lambda: all(len(s.tokens) >= tokens_first for s in running), 60, what="tokens flowing")
+    wait_until(lambda: all(len(s.tokens) >= tokens_first for s in running) and before_kill(), 60,
+               what="tokens flowing")
     drafter.kill()
     before = [len(s.tokens) for s in running]
     results = [s.result() for s in running]
@@ -92,6 +94,27 @@ def test_with_prompt_lookup_a_killed_drafter_changes_no_token_and_lookup_keeps_d
     v_addr, _ = kill_drafter_mid_stream(target, logs, services, 4)
     after = StreamThread(v_addr, token_ids=PROMPTS[0], max_tokens=40).result()
     assert list(after.token_ids) == reference[0][:40] and after.metrics.accepted_tokens > 0
+
+
+def test_drafter_killed_while_drafting_ahead_changes_no_token_and_drafting_ahead_resumes(target, logs, services):
+    """Draft-ahead on (the default), 2 of 4 drafts verified a step, so every drafted step sends the
+    next block's draft ahead: the drafter dies with drafts ahead in flight, comes back, and the
+    text is the plain greedy text throughout."""
+    path, reference = target
+    port = free_port()
+    sent = lambda: scrape(port).get("dspark_drafts_ahead_sent_total", 0)  # noqa: E731
+    v_addr, d_addr = kill_drafter_mid_stream(target, logs, services, 8, before_kill=lambda: sent() > 0,
+                                             lookup="off", draft_len=2, metrics_port=port)
+    before = sent()
+    drafter2, _ = start(services, start_drafter(path, logs, port=int(d_addr.rsplit(":", 1)[1])))
+    wait_serving(d_addr, drafter2)
+
+    def drafting_ahead_again():
+        r = StreamThread(v_addr, token_ids=PROMPTS[2], max_tokens=40).result()
+        assert list(r.token_ids) == reference[2][:40]
+        return sent() > before
+
+    wait_until(drafting_ahead_again, 30, interval=0.5, what="drafting ahead again")
 
 
 def test_verifier_killed_mid_stream_resumes_on_the_other(target, logs, services):

@@ -49,6 +49,10 @@ def parse_args(argv=None):
                     help="on: prompt lookup first, here where the tokens are (a request whose text repeats drafts "
                          "what followed before, no round trip; dspark/drafters/lookup.py), the drafter service "
                          "for the rest")
+    ap.add_argument("--draft-ahead", env="DSPARK_DRAFT_AHEAD", default="on", choices=["on", "off"],
+                    help="on: while the target verifies a block, the drafter service drafts the next one on the "
+                         "guess that the block is accepted (dspark/speculative/engine.py _draft_ahead); a step "
+                         "whose guess held waits for no draft")
     ap.add_argument("--draft-len", type=int, env="DSPARK_DRAFT_LEN", default=-1,
                     help="draft tokens a request verifies per step when not scheduled, and per request while the "
                          "scheduler is silent (default: the drafter's block size)")
@@ -135,7 +139,8 @@ async def serve(args) -> None:
     # Built on the torch thread too: its KV-cache fill is a parallel region, and a second thread's
     # OpenMP team makes libgomp throttle every worker's spin (more threads than cores).
     engine = await on_torch(SpecEngine, loaded.model, drafter, policy, max_batch=args.max_batch,
-                            max_len=args.max_len, context_push_every=args.context_push_every)
+                            max_len=args.max_len, context_push_every=args.context_push_every,
+                            draft_ahead=args.draft_ahead == "on")
     await control.warmup(engine, args.max_batch, run=on_torch)
     metrics.VERIFY_BUDGET.set(policy.budget_in_force)
 
@@ -176,7 +181,8 @@ async def serve(args) -> None:
         reporter.start()
         app.on_shutdown.insert(0, reporter.close)
     app.on_shutdown.append(lambda: asyncio.to_thread(runner.stop))
-    drafting = (drafter.kind + (" + prompt lookup" if args.lookup == "on" else "")) if drafter else "none"
+    drafting = (drafter.kind + (" + prompt lookup" if args.lookup == "on" else "")
+                + (", drafting ahead" if args.draft_ahead == "on" and drafter.drafts_ahead else "")) if drafter else "none"
     log.info("verifier %s serving %s (%s matmuls on %s) at %s (drafter: %s, draft len %d, max batch %d, "
              "max len %d)", args.verifier_id, loaded.name, loaded.model.precision, describe(args.device),
              args.advertise_addr, drafting, draft_len, args.max_batch, args.max_len)

@@ -4,7 +4,9 @@ extend_context / rollback / release only buffer per-request updates; push() send
 positions without waiting (a context-only request, after every step, drafting or not), and
 draft() sends what is left in one DraftRequest with the anchors and waits (up to a deadline)
 for the blocks; probe() sends a DraftRequest whose answer (only its confidences count) is taken
-by probe_result() at a later step, so the target never waits for it. Any failure
+by probe_result() at a later step, so the target never waits for it. draft_ahead() sends the
+next step's drafts while the target verifies, on a guess; draft() takes the rows whose guess
+held and asks afresh only for the others. Any failure
 raises DrafterUnavailable, so that step runs as plain decoding, and a background thread
 reconnects; context_len then reports 0 so SpecEngine resends whole contexts. All calls but
 close() come from the one engine thread.
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from dspark.drafters.base import DraftBlock
+from dspark.drafters.base import DraftBlock, merge_rows
 from dspark.proto_gen.v1 import drafter_pb2, drafter_pb2_grpc
 from dspark.serving import metrics
 from dspark.serving.config import sync_channel
@@ -28,6 +30,15 @@ from dspark.speculative.errors import DrafterUnavailable
 from dspark.wire import WireError, tensor_from_proto, tensor_to_proto
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Ahead:
+    """A draft-ahead request in flight: its step, and per request the (anchor position, anchor token)
+    it guessed; the answer once read off the stream."""
+    step: int
+    guesses: dict[str, tuple[int, int]]
+    answer: drafter_pb2.DraftResponse | None = None
 
 
 @dataclass
@@ -87,10 +98,15 @@ class RemoteDrafter:
         self.trace_context = None  # req_id -> {"traceparent": ...} of its step span (tracing on)
         self._probe: tuple[int, list[str], float] | None = None  # (step, req_ids, sent at) in flight
         self._probe_answer: tuple[list[str], torch.Tensor] | None = None
+        self._ahead: _Ahead | None = None
 
     @property
     def remote(self) -> bool:
         return True
+
+    @property
+    def drafts_ahead(self) -> bool:
+        return self.info is not None and self.info.drafts_ahead
 
     # ---- connection ------------------------------------------------------------------------
     def connect(self, wait_s: float) -> bool:
@@ -232,7 +248,8 @@ class RemoteDrafter:
             metrics.DRAFTER_LINK_BYTES.labels("to_drafter").inc(request.ByteSize())
 
     # ---- drafting --------------------------------------------------------------------------
-    def _draft_request(self, req_ids, anchors, temperatures, generators) -> tuple[drafter_pb2.DraftRequest, dict]:
+    def _draft_request(self, req_ids, anchors, temperatures, generators,
+                       gaps=None) -> tuple[drafter_pb2.DraftRequest, dict]:
         """A DraftRequest with the buffered releases and, per request, its unsent context and anchor;
         also the context length each request will have once the drafter applies it."""
         self._step += 1
@@ -244,10 +261,10 @@ class RemoteDrafter:
             pending = self._pending.get(req_id) or _Pending(base=self._known.get(req_id, 0))
             update = request.sequences.add(request_id=req_id, anchor_token=int(anchors[i]),
                                            context_len=pending.base, temperature=float(temperatures[i]),
-                                           tokens=pending.tokens)
+                                           tokens=pending.tokens, ahead=gaps[i] if gaps else 0)
             if pending.features:
                 update.hidden.CopyFrom(tensor_to_proto(torch.cat(pending.features)))
-            seed = getattr(generators[i], "initial_seed", None) if generators[i] is not None else None
+            seed = getattr(generators[i], "initial_seed", None) if generators and generators[i] is not None else None
             if seed is not None:
                 update.seed = seed()
             if self.trace_context is not None:
@@ -268,18 +285,56 @@ class RemoteDrafter:
         return None
 
     def draft(self, req_ids, anchors, temperatures, generators, forced_tokens=None, return_logits=False) -> DraftBlock:
+        """Rows drafted ahead whose guess held (anchor and position) are taken as they are; the other
+        requests are drafted now, in one request sent before waiting on the one ahead."""
         link = self._live_link()
-        request, sent_len = self._draft_request(req_ids, anchors, temperatures, generators)
-        link.requests.put(request)
-        response = self._await(link, self._step)
-        self._releases.clear()
+        ahead, self._ahead = self._ahead, None
+        anchor_list = [int(a) for a in anchors]
+        held = set() if ahead is None else {
+            i for i, r in enumerate(req_ids) if ahead.guesses.get(r) == (self.context_len(r), anchor_list[i])}
+        fresh = [i for i in range(len(req_ids)) if i not in held]
+        self.last_bytes = 0
+        if fresh:
+            request, sent_len = self._draft_request([req_ids[i] for i in fresh], [anchor_list[i] for i in fresh],
+                                                    [float(temperatures[i]) for i in fresh],
+                                                    [generators[i] for i in fresh])
+            link.requests.put(request)
+            self._releases.clear()
+            step = self._step
+        ahead_block = None
+        if held:  # drafted while the target verified the last block: probably answered already
+            response = ahead.answer or self._await(link, ahead.step)
+            ids = [req_ids[i] for i in sorted(held)]
+            ahead_block = self._to_block(ids, response, None)
+            metrics.DRAFTS_AHEAD_USED.inc(len(ids))
+        if not fresh:
+            return ahead_block
+        response = self._await(link, step)
         self.last_bytes = request.ByteSize() + response.ByteSize()
         metrics.DRAFTER_LINK_BYTES.labels("to_drafter").inc(request.ByteSize())
         metrics.DRAFTER_LINK_BYTES.labels("from_drafter").inc(response.ByteSize())
         metrics.DRAFTER_LINK_BYTES_PER_STEP.observe(self.last_bytes)
-        for req_id in req_ids:
+        for i in fresh:
+            self._pending.pop(req_ids[i], None)
+        block = self._to_block([req_ids[i] for i in fresh], response, sent_len)
+        return block if ahead_block is None else merge_rows(len(req_ids), [(sorted(held), ahead_block), (fresh, block)])
+
+    def draft_ahead(self, req_ids, anchors, gaps, temperatures) -> None:
+        """Send, without waiting, each request's next block as if its anchor were anchors[i], gaps[i]
+        positions past the context sent with it (the drafter has those positions' tokens but not
+        their features yet). Carries the unsent context like a push; one set of guesses at a time."""
+        link = self._link
+        if not self.drafts_ahead or link is None or not link.alive or not req_ids:
+            return
+        request, sent_len = self._draft_request(req_ids, anchors, temperatures, None, gaps)
+        link.requests.put(request)
+        metrics.DRAFTER_LINK_BYTES.labels("to_drafter").inc(request.ByteSize())
+        metrics.DRAFTS_AHEAD_SENT.inc(len(req_ids))
+        self._releases.clear()
+        for req_id in req_ids:  # as after a push: a context it turns out not to hold shows at the next draft
+            self._known[req_id] = sent_len[req_id]
             self._pending.pop(req_id, None)
-        return self._to_block(req_ids, response, sent_len)
+        self._ahead = _Ahead(self._step, {r: (sent_len[r] + gaps[i], int(anchors[i])) for i, r in enumerate(req_ids)})
 
     def _await(self, link: _Link, step: int) -> drafter_pb2.DraftResponse:
         deadline = time.monotonic() + self.timeout_s
@@ -295,7 +350,7 @@ class RemoteDrafter:
                 raise response
             if response.step == step:
                 return response
-            self._maybe_probe_answer(response)  # else a late answer to a step we gave up on: skip it
+            self._route(response)  # else a late answer to a step we gave up on: skip it
 
     def _lost(self) -> None:
         """The stream is gone: a new drafter holds none of our requests and answers no probe."""
@@ -303,6 +358,7 @@ class RemoteDrafter:
         self._releases.clear()
         self._sent.clear()
         self._probe = None
+        self._ahead = None
 
     # ---- probes: drafts wanted for their confidences only -----------------------------------
     def probe(self, req_ids, anchors, temperatures) -> bool:
@@ -338,9 +394,17 @@ class RemoteDrafter:
             if isinstance(response, Exception):
                 self._lost()
                 break
-            self._maybe_probe_answer(response)
+            self._route(response)
         answer, self._probe_answer = self._probe_answer, None
         return answer
+
+    def _route(self, response: drafter_pb2.DraftResponse) -> None:
+        """An answer read while waiting for another: a probe's, kept for probe_result; a draft-ahead's,
+        kept for the next draft(); anything else is late and dropped."""
+        if self._ahead is not None and response.step == self._ahead.step:
+            self._ahead.answer = response
+        else:
+            self._maybe_probe_answer(response)
 
     def _maybe_probe_answer(self, response: drafter_pb2.DraftResponse) -> None:
         if self._probe is None or response.step != self._probe[0]:
@@ -369,10 +433,16 @@ class RemoteDrafter:
             self._probe_answer = (rows, torch.stack(conf), torch.tensor(tokens, dtype=torch.long))
 
     def _to_block(self, req_ids, response, sent_len) -> DraftBlock:
+        """sent_len: the context each request has once the drafter applied the request (None: a draft
+        ahead, whose context bookkeeping was done when it was sent)."""
         by_id = {s.request_id: s for s in response.sequences}
         missing = [r for r in req_ids if r not in by_id or by_id[r].context_missing]
         for req_id in req_ids:
-            self._known[req_id] = 0 if req_id in missing else sent_len[req_id]
+            if req_id in missing:
+                self._known[req_id] = 0
+                self._pending.pop(req_id, None)
+            elif sent_len is not None:
+                self._known[req_id] = sent_len[req_id]
         if missing:
             raise DrafterUnavailable(f"drafter lost the context of {len(missing)} request(s); resending")
         gamma = self.gamma

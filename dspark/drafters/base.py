@@ -32,6 +32,30 @@ class DraftBlock:
     calibrated: torch.Tensor | None = None
 
 
+def merge_rows(num: int, parts: list[tuple[list[int], DraftBlock]]) -> DraftBlock:
+    """One block of `num` rows from blocks of some of them: parts = (row indices, block of those rows).
+    Supports are zero-padded to the widest; confidences only if every part has them."""
+    width = max(b.support_ids.shape[-1] for _, b in parts)
+    first = parts[0][1]
+    gamma, device = first.tokens.shape[1], first.tokens.device
+    tokens = torch.zeros(num, gamma, dtype=torch.long, device=device)
+    support_ids = torch.zeros(num, gamma, width, dtype=torch.long, device=device)
+    support_probs = torch.zeros(num, gamma, width, dtype=torch.float32, device=device)
+    has_conf = all(b.conf_logits is not None for _, b in parts)
+    conf = torch.zeros(num, gamma, dtype=torch.float32, device=device) if has_conf else None
+    calibrated = torch.zeros(num, dtype=torch.bool, device=device)
+    for rows, block in parts:
+        pick = torch.tensor(rows, dtype=torch.long, device=device)
+        s = block.support_ids.shape[-1]
+        tokens[pick] = block.tokens
+        support_ids[pick, :, :s], support_probs[pick, :, :s] = block.support_ids, block.support_probs.float()
+        if has_conf:
+            conf[pick] = block.conf_logits.float()
+        if block.calibrated is not None:
+            calibrated[pick] = block.calibrated
+    return DraftBlock(tokens, conf, support_ids, support_probs, calibrated=calibrated if calibrated.any() else None)
+
+
 class Drafter(nn.Module):
     def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                  draft_vocab: torch.Tensor | None = None):
@@ -140,6 +164,11 @@ class Drafter(nn.Module):
     def remote(self) -> bool:
         return False
 
+    @property
+    def drafts_ahead(self) -> bool:
+        """Whether draft() takes `gaps` (an anchor past the context, for draft-ahead)."""
+        return False
+
     def push(self) -> None:
         """Nothing to send: a local drafter's context is current as soon as it is extended."""
 
@@ -153,6 +182,9 @@ class Drafter(nn.Module):
     def free_draft(self, req_ids: list[str], texts: list[list[int]], device=None) -> DraftBlock | None:
         """None: every draft of a trained drafter costs a forward pass."""
         return None
+
+    def draft_ahead(self, req_ids, anchors, gaps, temperatures) -> None:
+        """Nothing: in process the target's pass already uses the cores a drafter would."""
 
     def draft(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor, generators: list,
               forced_tokens: torch.Tensor | None = None, return_logits: bool = False) -> DraftBlock:

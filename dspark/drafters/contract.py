@@ -34,6 +34,9 @@ class DrafterContract(Protocol):
     @property
     def remote(self) -> bool: ...  # its contexts live in another process: push() sends them there
 
+    @property
+    def drafts_ahead(self) -> bool: ...  # draft_ahead() does something (a remote block drafter)
+
     def context_len(self, req_id: str) -> int: ...
 
     def extend_context(self, req_id: str, features: torch.Tensor, tokens: torch.Tensor) -> None: ...
@@ -53,6 +56,13 @@ class DrafterContract(Protocol):
 
     def draft(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor,
               generators: list) -> DraftBlock: ...
+
+    # Draft-ahead: called while the target verifies the block just drafted; drafts the next block of
+    # each request as if its anchor were anchors[i], gaps[i] positions past its context (the block
+    # accepted as verified, the drafter's next token the target's own). Does not wait; draft() uses a
+    # row when the request's anchor turns out to be that one, at that position.
+    def draft_ahead(self, req_ids: list[str], anchors: list[int], gaps: list[int],
+                    temperatures: list[float]) -> None: ...
 
     # Drafts that cost nothing to make (prompt lookup), from each request's tokens alone (the last
     # is its anchor; no context update needed), while the drafter is skipped: a block over all

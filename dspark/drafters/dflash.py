@@ -89,6 +89,10 @@ class ParallelDrafter(Drafter):
         return self.slot_outputs(hidden, tokens[prev_pos])
 
     # ---- inference ----
+    @property
+    def drafts_ahead(self) -> bool:
+        return True
+
     @torch.no_grad()
     def extend_context(self, req_id: str, features: torch.Tensor, tokens: torch.Tensor) -> None:
         if features.shape[0] != tokens.shape[0]:
@@ -100,13 +104,19 @@ class ParallelDrafter(Drafter):
         self.contexts.append(req_id, rows)
 
     @torch.no_grad()
-    def draft(self, req_ids, anchors, temperatures, generators, forced_tokens=None, return_logits=False):
+    def draft(self, req_ids, anchors, temperatures, generators, forced_tokens=None, return_logits=False,
+              gaps=None):
+        """gaps [R] (draft-ahead): positions between a request's context and its anchor whose features
+        it does not have yet; the anchor then sits at context_len + gap. The block attends to the
+        context it has."""
         cfg, device = self.cfg, self.lm_head_draft.device
         anchors = anchors.long().to(device)
         like = torch.empty(0, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, device=device)
         kv, valid = self.contexts.padded(req_ids, like)  # [R, L, layers, 2, KV, hd]
         ctx_kv = [(kv[:, :, i, 0].transpose(1, 2), kv[:, :, i, 1].transpose(1, 2)) for i in range(cfg.num_layers)]
         starts = torch.tensor([self.context_len(r) for r in req_ids], device=device)
+        if gaps is not None:
+            starts = starts + torch.as_tensor(gaps, dtype=torch.long, device=device)
         hidden = self.run_blocks(anchors[:, None], starts[:, None], ctx_kv, valid[:, None])[:, 0]
         return self.sample_block(hidden, anchors, temperatures, generators, forced_tokens, return_logits)
 

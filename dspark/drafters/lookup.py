@@ -62,6 +62,7 @@ class LookupDrafter:
         self._texts: dict[str, NgramIndex] = {}
         self._held: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # rows not given to the drafter yet
         self._guesses: dict[str, tuple[int, list[int], int]] = {}  # req -> (anchor position, guess, n)
+        self._looked_up: set[str] = set()  # requests whose last block was lookup's
 
     # ---- what it is: the inner drafter's ----
     gamma = property(lambda self: self.inner.gamma)
@@ -69,6 +70,7 @@ class LookupDrafter:
     kind = property(lambda self: self.inner.kind)
     version = property(lambda self: self.inner.version)
     remote = property(lambda self: self.inner.remote)
+    drafts_ahead = property(lambda self: self.inner.drafts_ahead)
 
     def __getattr__(self, name: str):
         if name == "inner":  # not set yet (copy, unpickling): no recursion
@@ -110,6 +112,7 @@ class LookupDrafter:
         self.inner.release(req_id)
         for table in (self._texts, self._guesses, self._held):
             table.pop(req_id, None)
+        self._looked_up.discard(req_id)
 
     def _flush(self, req_id: str) -> None:
         held = self._held.pop(req_id, None)
@@ -122,6 +125,12 @@ class LookupDrafter:
     def probe(self, req_ids, anchors, temperatures) -> bool:
         return self.inner.probe(req_ids, anchors, temperatures)
 
+    def draft_ahead(self, req_ids, anchors, gaps, temperatures) -> None:
+        """The drafter's, for the requests it drafted: lookup's next guess costs nothing when it comes."""
+        rest = [i for i, r in enumerate(req_ids) if r not in self._looked_up]
+        if rest:
+            self.inner.draft_ahead(*([v[i] for i in rest] for v in (req_ids, anchors, gaps, temperatures)))
+
     def probe_result(self):
         return self.inner.probe_result()
 
@@ -133,12 +142,15 @@ class LookupDrafter:
 
     # ---- drafting ----
     def draft(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor, generators: list,
-              forced_tokens: torch.Tensor | None = None, return_logits: bool = False) -> DraftBlock:
-        if forced_tokens is not None or return_logits:  # teacher-forced scoring: the drafter's own
+              forced_tokens: torch.Tensor | None = None, return_logits: bool = False, gaps=None) -> DraftBlock:
+        if forced_tokens is not None or return_logits or gaps is not None:
+            # Teacher-forced scoring, or a draft ahead of the tokens lookup knows: the drafter's own.
             for req_id in req_ids:
                 self._flush(req_id)
-            return self.inner.draft(req_ids, anchors, temperatures, generators, forced_tokens, return_logits)
+            ahead = {} if gaps is None else {"gaps": gaps}
+            return self.inner.draft(req_ids, anchors, temperatures, generators, forced_tokens, return_logits, **ahead)
         guesses = self._look_up(req_ids, anchors.tolist())
+        self._looked_up = {req_ids[i] for i in guesses}
         rest = [i for i in range(len(req_ids)) if i not in guesses]
         inner = None
         if rest:

@@ -28,6 +28,9 @@ SPS_POINTS = Gauge("dspark_sps_table_points", "Batch-token counts with a measure
 DRAFTER_LINK_BYTES = Counter("dspark_drafter_link_bytes", "Bytes on the verifier-drafter link", ["direction"])
 DRAFTER_LINK_BYTES_PER_STEP = Histogram("dspark_drafter_link_bytes_per_step", "Bytes per step on the drafter link",
                                         buckets=(1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8))
+DRAFTS_AHEAD_SENT = Counter("dspark_drafts_ahead_sent", "Request blocks drafted ahead, while the target verified")
+DRAFTS_AHEAD_USED = Counter("dspark_drafts_ahead_used", "Request blocks drafted ahead whose guess held (no wait for "
+                            "a draft)")
 DRAFTER_UNAVAILABLE = Counter("dspark_drafter_unavailable", "Steps run as plain decoding: drafter failed")
 # Drafter.
 DRAFT_REQUESTS = Counter("dspark_drafter_requests", "DraftRequests answered")

@@ -105,10 +105,12 @@ class StepReport:
 
 class SpecEngine(Engine):
     def __init__(self, model, drafter: DrafterContract | None = None, policy: SpeculationPolicy | None = None,
-                 context_push_every: int = 1, **kw):
+                 context_push_every: int = 1, draft_ahead: bool = True, **kw):
         """context_push_every: while no draft is asked for, a remote drafter gets its new context every
-        N-th step only (0: never; the rest goes with the next probe or draft)."""
+        N-th step only (0: never; the rest goes with the next probe or draft). draft_ahead: a drafter
+        that drafts ahead (drafts_ahead) drafts the next block while the target verifies this one."""
         self.drafter = drafter
+        self.draft_ahead = draft_ahead
         self.context_push_every, self._steps_unpushed = max(0, context_push_every), 0
         self.policy = policy or FixedDraftLen(drafter.gamma if drafter is not None else 0)
         super().__init__(model, capture_layers=tuple(drafter.ctx_layers) if drafter is not None else (), **kw)
@@ -204,6 +206,29 @@ class SpecEngine(Engine):
                 lens[i] = min(caps[i], fixed)
         return block, lens
 
+    def _draft_ahead(self, seqs: list[Sequence], block_tokens: list[list[int]], lens: list[int]) -> None:
+        """While the target verifies this block, the drafter drafts each request's next one, guessing
+        that all l verified drafts are accepted and that the target's next token is the drafter's
+        draft l+1: the only next anchor knowable before the pass (after a rejection the target picks
+        the token). The guess holds as often as l+1 drafts would be accepted; draft() then takes
+        that row without a round trip on the critical path. A seeded sampled request drafts afresh:
+        its replay may not depend on which drafts were made ahead."""
+        if not (self.draft_ahead and self.drafter.drafts_ahead):
+            return
+        gamma, rows = self.drafter.gamma, []
+        for i, seq in enumerate(seqs):
+            n = lens[i]
+            if (n < gamma and not (seq.params.seed is not None and seq.params.temperature > 0)
+                    and len(seq.output) + n + 2 < seq.params.max_tokens and seq.cached + n + 2 < self.max_len):
+                rows.append(i)
+        if not rows:
+            return
+        try:
+            self.drafter.draft_ahead([seqs[i].req_id for i in rows], [block_tokens[i][lens[i]] for i in rows],
+                                     [lens[i] + 1 for i in rows], [seqs[i].params.temperature for i in rows])
+        except DrafterUnavailable:
+            pass  # the next draft finds out
+
     def _free_draft(self, seqs: list[Sequence]):
         """While the drafter is skipped, the drafts that cost nothing (prompt lookup), verified as far
         as the policy's free_lengths says they pay. Kept out of the step report and the checks: the
@@ -261,6 +286,8 @@ class SpecEngine(Engine):
         draft_seconds = time.perf_counter() - t0
         if not admitted and not decoding:
             return []
+        if block is not None and not self._free:
+            self._draft_ahead(decoding, block_tokens, lens)
         step = self._build(admitted, decoding, block_tokens, lens)
         num_acc, out_tokens = self._verify(step, block)
         events = self._commit(step, num_acc, out_tokens, None if self._free else block)

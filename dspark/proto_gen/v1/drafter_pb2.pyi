@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("request_id", "hidden", "tokens", "anchor_token", "context_len", "temperature", "release", "seed", "trace_context")
+    __slots__ = ("request_id", "hidden", "tokens", "anchor_token", "context_len", "temperature", "release", "seed", "trace_context", "ahead")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class SequenceUpdate(_message.Message):
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     hidden: _tensor_pb2.Tensor
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -34,7 +35,8 @@ class SequenceUpdate(_message.Message):
     release: bool
     seed: int
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., anchor_token: _Optional[int] = ..., context_len: _Optional[int] = ..., temperature: _Optional[float] = ..., release: _Optional[bool] = ..., seed: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    ahead: int
+    def __init__(self, request_id: _Optional[str] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., anchor_token: _Optional[int] = ..., context_len: _Optional[int] = ..., temperature: _Optional[float] = ..., release: _Optional[bool] = ..., seed: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., ahead: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("step", "sequences", "context_only")
@@ -75,7 +77,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfoResponse(_message.Message):
-    __slots__ = ("kind", "version", "gamma", "target_layers", "hidden_size", "target_model", "has_confidence", "sts_temperatures")
+    __slots__ = ("kind", "version", "gamma", "target_layers", "hidden_size", "target_model", "has_confidence", "sts_temperatures", "drafts_ahead")
     KIND_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +86,7 @@ class DrafterInfoResponse(_message.Message):
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     HAS_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     STS_TEMPERATURES_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_AHEAD_FIELD_NUMBER: _ClassVar[int]
     kind: str
     version: str
     gamma: int
@@ -92,4 +95,5 @@ class DrafterInfoResponse(_message.Message):
     target_model: str
     has_confidence: bool
     sts_temperatures: _tensor_pb2.Tensor
-    def __init__(self, kind: _Optional[str] = ..., version: _Optional[str] = ..., gamma: _Optional[int] = ..., target_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., target_model: _Optional[str] = ..., has_confidence: _Optional[bool] = ..., sts_temperatures: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    drafts_ahead: bool
+    def __init__(self, kind: _Optional[str] = ..., version: _Optional[str] = ..., gamma: _Optional[int] = ..., target_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., target_model: _Optional[str] = ..., has_confidence: _Optional[bool] = ..., sts_temperatures: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., drafts_ahead: _Optional[bool] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import tensor_pb2 as dspark_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64spark/v1/drafter.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/tensor.proto\"\xbd\x02\n\x0eSequenceUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x06hidden\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x0e\n\x06tokens\x18\x03 \x03(\x03\x12\x14\n\x0c\x61nchor_token\x18\x04 \x01(\x03\x12\x13\n\x0b\x63ontext_len\x18\x05 \x01(\x04\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\x0f\n\x07release\x18\x07 \x01(\x08\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x42\n\rtrace_context\x18\t \x03(\x0b\x32+.dspark.v1.SequenceUpdate.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05_seed\"`\n\x0c\x44raftRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12,\n\tsequences\x18\x02 \x03(\x0b\x32\x19.dspark.v1.SequenceUpdate\x12\x14\n\x0c\x63ontext_only\x18\x03 \x01(\x08\"\xcc\x01\n\rSequenceDraft\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12,\n\x11\x63onfidence_logits\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12&\n\x0bsupport_ids\x18\x04 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12(\n\rsupport_probs\x18\x05 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x17\n\x0f\x63ontext_missing\x18\x06 \x01(\x08\"J\n\rDraftResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12+\n\tsequences\x18\x02 \x03(\x0b\x32\x18.dspark.v1.SequenceDraft\"\x14\n\x12\x44rafterInfoRequest\"\xca\x01\n\x13\x44rafterInfoResponse\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05gamma\x18\x03 \x01(\r\x12\x15\n\rtarget_layers\x18\x04 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x14\n\x0ctarget_model\x18\x06 \x01(\t\x12\x16\n\x0ehas_confidence\x18\x07 \x01(\x08\x12+\n\x10sts_temperatures\x18\x08 \x01(\x0b\x32\x11.dspark.v1.Tensor2\x9d\x01\n\x07\x44rafter\x12\x44\n\x0b\x44raftStream\x12\x17.dspark.v1.DraftRequest\x1a\x18.dspark.v1.DraftResponse(\x01\x30\x01\x12L\n\x0b\x44rafterInfo\x12\x1d.dspark.v1.DrafterInfoRequest\x1a\x1e.dspark.v1.DrafterInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64spark/v1/drafter.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/tensor.proto\"\xcc\x02\n\x0eSequenceUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x06hidden\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x0e\n\x06tokens\x18\x03 \x03(\x03\x12\x14\n\x0c\x61nchor_token\x18\x04 \x01(\x03\x12\x13\n\x0b\x63ontext_len\x18\x05 \x01(\x04\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\x0f\n\x07release\x18\x07 \x01(\x08\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x42\n\rtrace_context\x18\t \x03(\x0b\x32+.dspark.v1.SequenceUpdate.TraceContextEntry\x12\r\n\x05\x61head\x18\n \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05_seed\"`\n\x0c\x44raftRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12,\n\tsequences\x18\x02 \x03(\x0b\x32\x19.dspark.v1.SequenceUpdate\x12\x14\n\x0c\x63ontext_only\x18\x03 \x01(\x08\"\xcc\x01\n\rSequenceDraft\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12,\n\x11\x63onfidence_logits\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12&\n\x0bsupport_ids\x18\x04 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12(\n\rsupport_probs\x18\x05 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x17\n\x0f\x63ontext_missing\x18\x06 \x01(\x08\"J\n\rDraftResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12+\n\tsequences\x18\x02 \x03(\x0b\x32\x18.dspark.v1.SequenceDraft\"\x14\n\x12\x44rafterInfoRequest\"\xe0\x01\n\x13\x44rafterInfoResponse\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05gamma\x18\x03 \x01(\r\x12\x15\n\rtarget_layers\x18\x04 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x14\n\x0ctarget_model\x18\x06 \x01(\t\x12\x16\n\x0ehas_confidence\x18\x07 \x01(\x08\x12+\n\x10sts_temperatures\x18\x08 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x14\n\x0c\x64rafts_ahead\x18\t \x01(\x08\x32\x9d\x01\n\x07\x44rafter\x12\x44\n\x0b\x44raftStream\x12\x17.dspark.v1.DraftRequest\x1a\x18.dspark.v1.DraftResponse(\x01\x30\x01\x12L\n\x0b\x44rafterInfo\x12\x1d.dspark.v1.DrafterInfoRequest\x1a\x1e.dspark.v1.DrafterInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SEQUENCEUPDATE_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_SEQUENCEUPDATE_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_SEQUENCEUPDATE']._serialized_start=63
-  _globals['_SEQUENCEUPDATE']._serialized_end=380
-  _globals['_SEQUENCEUPDATE_TRACECONTEXTENTRY']._serialized_start=320
-  _globals['_SEQUENCEUPDATE_TRACECONTEXTENTRY']._serialized_end=371
-  _globals['_DRAFTREQUEST']._serialized_start=382
-  _globals['_DRAFTREQUEST']._serialized_end=478
-  _globals['_SEQUENCEDRAFT']._serialized_start=481
-  _globals['_SEQUENCEDRAFT']._serialized_end=685
-  _globals['_DRAFTRESPONSE']._serialized_start=687
-  _globals['_DRAFTRESPONSE']._serialized_end=761
-  _globals['_DRAFTERINFOREQUEST']._serialized_start=763
-  _globals['_DRAFTERINFOREQUEST']._serialized_end=783
-  _globals['_DRAFTERINFORESPONSE']._serialized_start=786
-  _globals['_DRAFTERINFORESPONSE']._serialized_end=988
-  _globals['_DRAFTER']._serialized_start=991
-  _globals['_DRAFTER']._serialized_end=1148
+  _globals['_SEQUENCEUPDATE']._serialized_end=395
+  _globals['_SEQUENCEUPDATE_TRACECONTEXTENTRY']._serialized_start=335
+  _globals['_SEQUENCEUPDATE_TRACECONTEXTENTRY']._serialized_end=386
+  _globals['_DRAFTREQUEST']._serialized_start=397
+  _globals['_DRAFTREQUEST']._serialized_end=493
+  _globals['_SEQUENCEDRAFT']._serialized_start=496
+  _globals['_SEQUENCEDRAFT']._serialized_end=700
+  _globals['_DRAFTRESPONSE']._serialized_start=702
+  _globals['_DRAFTRESPONSE']._serialized_end=776
+  _globals['_DRAFTERINFOREQUEST']._serialized_start=778
+  _globals['_DRAFTERINFOREQUEST']._serialized_end=798
+  _globals['_DRAFTERINFORESPONSE']._serialized_start=801
+  _globals['_DRAFTERINFORESPONSE']._serialized_end=1025
+  _globals['_DRAFTER']._serialized_start=1028
+  _globals['_DRAFTER']._serialized_end=1185
 # @@protoc_insertion_point(module_scope)
