@@ -1,8 +1,8 @@
 """One request at a time, per eval set: what a single user sees. Plain decoding in this process
 (the bar speculation has to clear) and, in the same process, DSpark with prompt lookup at fixed
 k = 3 and 7; then through the three services (drafter, verifier, scheduler as separate processes,
-gRPC): plain decoding, fixed k = 3 and 7, and the confidence scheduler with and without the
-verifier's prompt lookup; and llama.cpp's plain decoding of the same GGUF, fed the same token ids,
+gRPC): plain decoding, fixed k = 3 and 7, and the confidence scheduler, with and without
+draft-ahead and the verifier's prompt lookup; and llama.cpp's plain decoding of the same GGUF, fed the same token ids,
 in the same run.
 
     python benchmarks/single_stream.py [--prompts 3] [--max-tokens 128] [--drafter DIR]
@@ -26,11 +26,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
 OUT = REPO / "benchmarks" / "results"
 
-SERVICE_CONFIGS = {  # name -> verifier flags (None: no drafter)
+SERVICE_CONFIGS = {  # name -> verifier flags (None: no drafter); draft-ahead and lookup on unless said
     "services plain": None,
     "services k=3": dict(schedule="off", draft_len=3),
-    "services k=7": dict(schedule="off", draft_len=7),
+    "services k=3, no draft-ahead": dict(schedule="off", draft_len=3, draft_ahead="off"),
+    "services k=7": dict(schedule="off", draft_len=7),  # the whole block: nothing left to guess the next anchor
     "services scheduler": dict(schedule="on", draft_len=3),
+    "services scheduler, no draft-ahead": dict(schedule="on", draft_len=3, draft_ahead="off"),
     "services scheduler, no lookup": dict(schedule="on", draft_len=3, lookup="off"),
 }
 IN_PROCESS_SPEC = {"in-process k=3": 3, "in-process k=7": 7}  # DSpark + prompt lookup, this process
@@ -69,6 +71,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--datasets", nargs="+", default=None)
     ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--services", nargs="+", default=list(SERVICE_CONFIGS), choices=list(SERVICE_CONFIGS),
+                    help="which services configurations to run")
     ap.add_argument("--out", default=str(OUT / "single_stream"))
     args = ap.parse_args(argv)
 
@@ -110,12 +114,13 @@ def main(argv=None) -> None:
     args.concurrency = [1]
     drafter, d_addr = start_drafter(args.model, log_dir, checkpoint=checkpoint, gamma=7, num_layers=2, max_batch=4)
     services, stacks = [drafter], {}
-    names = ["in-process plain", *IN_PROCESS_SPEC, *SERVICE_CONFIGS] + (["llama.cpp plain"] if llama else [])
+    configs = {name: SERVICE_CONFIGS[name] for name in args.services}
+    names = ["in-process plain", *IN_PROCESS_SPEC, *configs] + (["llama.cpp plain"] if llama else [])
     rows = {d: {n: dict(tokens=0, seconds=0.0, steps=0) for n in names} for d in datasets}
     same = True
     try:
         wait_serving(d_addr, drafter, timeout=900)
-        for name, flags in SERVICE_CONFIGS.items():
+        for name, flags in configs.items():
             stack, stacks[name] = start_stack(name, flags, d_addr, args, log_dir)
             services += stack
         for address in stacks.values():  # the scheduler learns from some traffic first, unmeasured
@@ -165,7 +170,7 @@ def main(argv=None) -> None:
             k = {n: sum(tau[x][n] for x in datasets) / len(datasets) for n in names}
         else:
             t, k = tps[d], tau[d]
-        best = max(SERVICE_CONFIGS, key=lambda n: t[n])
+        best = max(configs, key=lambda n: t[n])
         best_local = max(IN_PROCESS_SPEC, key=lambda n: t[n])
         print(f"| {d} | " + " | ".join(f"{t[n]:.1f} ({k[n]:.2f})" for n in names)
               + f" | {t[best_local] / t['in-process plain']:.2f}x ({best_local})"

@@ -31,7 +31,7 @@ def random_drafter(target: Transformer, kind: str, gamma: int = 4, seed: int = 1
 class OracleDrafter:
     """Drafts exactly the target's own greedy continuation (known in advance): every draft is accepted."""
 
-    kind, version, has_confidence, remote = "oracle", "test", False, False
+    kind, version, has_confidence, remote, drafts_ahead = "oracle", "test", False, False, False
 
     def __init__(self, gamma: int, ctx_layers: list[int], reference: dict[str, list[int]]):
         self.gamma, self.ctx_layers, self.reference = gamma, ctx_layers, reference
@@ -55,11 +55,11 @@ class OracleDrafter:
     def free_draft(self, req_ids, texts, device=None):
         return None
 
-    def draft(self, req_ids, anchors, temperatures, generators):
+    def draft(self, req_ids, anchors, temperatures, generators, gaps=None):
         rows = []
-        for r in req_ids:
+        for i, r in enumerate(req_ids):
             full = self.reference[r]
-            a = self.ctx[r]  # anchor position; drafts are positions a+1..a+gamma
+            a = self.ctx[r] + (gaps[i] if gaps else 0)  # anchor position; drafts are positions a+1..a+gamma
             nxt = full[a + 1:a + 1 + self.gamma]
             rows.append(nxt + [0] * (self.gamma - len(nxt)))
         tokens = torch.tensor(rows)

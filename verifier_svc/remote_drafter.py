@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from dspark.drafters.ahead import Guesses
 from dspark.drafters.base import DraftBlock, merge_rows
 from dspark.proto_gen.v1 import drafter_pb2, drafter_pb2_grpc
 from dspark.serving import metrics
@@ -34,10 +35,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Ahead:
-    """A draft-ahead request in flight: its step, and per request the (anchor position, anchor token)
-    it guessed; the answer once read off the stream."""
+    """A draft-ahead request in flight: its step, its guesses, the answer once read off the stream."""
     step: int
-    guesses: dict[str, tuple[int, int]]
+    guesses: Guesses
     answer: drafter_pb2.DraftResponse | None = None
 
 
@@ -290,8 +290,8 @@ class RemoteDrafter:
         link = self._live_link()
         ahead, self._ahead = self._ahead, None
         anchor_list = [int(a) for a in anchors]
-        held = set() if ahead is None else {
-            i for i, r in enumerate(req_ids) if ahead.guesses.get(r) == (self.context_len(r), anchor_list[i])}
+        held = set() if ahead is None else set(
+            ahead.guesses.held(req_ids, [self.context_len(r) for r in req_ids], anchor_list))
         fresh = [i for i in range(len(req_ids)) if i not in held]
         self.last_bytes = 0
         if fresh:
@@ -334,7 +334,7 @@ class RemoteDrafter:
         for req_id in req_ids:  # as after a push: a context it turns out not to hold shows at the next draft
             self._known[req_id] = sent_len[req_id]
             self._pending.pop(req_id, None)
-        self._ahead = _Ahead(self._step, {r: (sent_len[r] + gaps[i], int(anchors[i])) for i, r in enumerate(req_ids)})
+        self._ahead = _Ahead(self._step, Guesses(req_ids, [sent_len[r] + g for r, g in zip(req_ids, gaps)], anchors))
 
     def _await(self, link: _Link, step: int) -> drafter_pb2.DraftResponse:
         deadline = time.monotonic() + self.timeout_s

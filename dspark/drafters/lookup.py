@@ -128,6 +128,8 @@ class LookupDrafter:
     def draft_ahead(self, req_ids, anchors, gaps, temperatures) -> None:
         """The drafter's, for the requests it drafted: lookup's next guess costs nothing when it comes."""
         rest = [i for i, r in enumerate(req_ids) if r not in self._looked_up]
+        for i in rest:  # a local drafter drafts ahead from all it has been given
+            self._flush(req_ids[i])
         if rest:
             self.inner.draft_ahead(*([v[i] for i in rest] for v in (req_ids, anchors, gaps, temperatures)))
 
