@@ -26,13 +26,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
 OUT = REPO / "benchmarks" / "results"
 
-SERVICE_CONFIGS = {  # name -> verifier flags (None: no drafter); draft-ahead and lookup on unless said
+SERVICE_CONFIGS = {  # name -> verifier flags (None: no drafter); lookup on unless said
     "services plain": None,
-    "services k=3": dict(schedule="off", draft_len=3),
-    "services k=3, no draft-ahead": dict(schedule="off", draft_len=3, draft_ahead="off"),
+    "services k=3": dict(schedule="off", draft_len=3, draft_ahead="off"),
+    "services k=3, draft-ahead": dict(schedule="off", draft_len=3, draft_ahead="on"),
     "services k=7": dict(schedule="off", draft_len=7),  # the whole block: nothing left to guess the next anchor
-    "services scheduler": dict(schedule="on", draft_len=3),
-    "services scheduler, no draft-ahead": dict(schedule="on", draft_len=3, draft_ahead="off"),
+    "services scheduler": dict(schedule="on", draft_len=3),  # draft-ahead auto (off beside a drafter on few cores)
+    "services scheduler, draft-ahead": dict(schedule="on", draft_len=3, draft_ahead="on"),
     "services scheduler, no lookup": dict(schedule="on", draft_len=3, lookup="off"),
 }
 IN_PROCESS_SPEC = {"in-process k=3": 3, "in-process k=7": 7}  # DSpark + prompt lookup, this process

@@ -9,6 +9,7 @@ import argparse
 import time
 
 from dspark.device import add_device_flag, describe, device_or_exit
+from dspark.drafters.ahead import DraftAheadThread
 from dspark.drafters.lookup import LookupDrafter
 from dspark.drafters.shipped import load_drafter_for
 from dspark.models.loader import DEFAULT_MODEL, load_model
@@ -28,6 +29,10 @@ def main(argv=None):
                     help="draft tokens verified per request per step (default: the block size)")
     ap.add_argument("--lookup", default="on", choices=["on", "off"],
                     help="prompt lookup in front of the drafter (dspark/drafters/lookup.py)")
+    ap.add_argument("--draft-ahead", default="off", choices=["on", "off"],
+                    help="on: the drafter drafts the next block on a thread of its own while the target verifies "
+                         "(dspark/drafters/ahead.py); off by default: on a 2-core CPU the thread takes a core "
+                         "from the target's pass (docs/results.md)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
@@ -39,6 +44,8 @@ def main(argv=None):
     threads = configure_threads()
     loaded = load_model(args.model, device=device, precision=args.precision)
     drafter = load_drafter_for(loaded, args.drafter, args.precision)
+    if drafter is not None and args.draft_ahead == "on" and drafter.drafts_ahead:
+        drafter = DraftAheadThread(drafter)
     if drafter is not None and args.lookup == "on":
         drafter = LookupDrafter(drafter)
     print(f"[{loaded.name}: {loaded.model.precision} matmuls on {describe(device)}, {threads} CPU threads]", flush=True)
@@ -56,7 +63,8 @@ def main(argv=None):
         printed = len(text)
     elapsed = time.perf_counter() - start
     m = seq.spec.metrics
-    lookup = " + prompt lookup" if args.lookup == "on" else ""
+    lookup = (" + prompt lookup" if args.lookup == "on" else "") + (
+        ", drafting ahead" if isinstance(getattr(drafter, "inner", drafter), DraftAheadThread) else "")
     label = f"{drafter.kind} drafter{lookup}" if drafter else "no drafter (plain decoding)"
     print(f"\n\n[{loaded.name}, {label}] {len(seq.output)} tokens in {elapsed:.2f}s = "
           f"{len(seq.output) / elapsed:.1f} tokens/s; acceptance length tau = {m.acceptance_length:.2f} "

@@ -97,14 +97,14 @@ def test_with_prompt_lookup_a_killed_drafter_changes_no_token_and_lookup_keeps_d
 
 
 def test_drafter_killed_while_drafting_ahead_changes_no_token_and_drafting_ahead_resumes(target, logs, services):
-    """Draft-ahead on (the default), 2 of 4 drafts verified a step, so every drafted step sends the
+    """Draft-ahead on, 2 of 4 drafts verified a step, so every drafted step sends the
     next block's draft ahead: the drafter dies with drafts ahead in flight, comes back, and the
     text is the plain greedy text throughout."""
     path, reference = target
     port = free_port()
     sent = lambda: scrape(port).get("dspark_drafts_ahead_sent_total", 0)  # noqa: E731
     v_addr, d_addr = kill_drafter_mid_stream(target, logs, services, 8, before_kill=lambda: sent() > 0,
-                                             lookup="off", draft_len=2, metrics_port=port)
+                                             lookup="off", draft_len=2, draft_ahead="on", metrics_port=port)
     before = sent()
     drafter2, _ = start(services, start_drafter(path, logs, port=int(d_addr.rsplit(":", 1)[1])))
     wait_serving(d_addr, drafter2)

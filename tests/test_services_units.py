@@ -87,6 +87,15 @@ async def test_a_request_leaves_the_pending_list_even_when_its_removal_is_issued
     assert registry.store_ok
 
 
+def test_drafting_ahead_by_default_only_where_the_drafter_has_its_own_cores():
+    from verifier_svc.remote_drafter import ahead_pays
+
+    assert not ahead_pays("127.0.0.1:50053", 2) and not ahead_pays("localhost:50053", 4)
+    assert not ahead_pays("[::1]:50053", 2) and not ahead_pays("unix:/tmp/drafter.sock", 2)
+    assert ahead_pays("127.0.0.1:50053", 16)  # a big machine has cores to spare
+    assert ahead_pays("10.0.3.7:50053", 2) and ahead_pays("drafter.dspark.svc.cluster.local:50053", 2)
+
+
 def _update(req, n, ctx, width, anchor=3, **kw):
     return drafter_pb2.SequenceUpdate(request_id=req, tokens=list(range(5, 5 + n)), anchor_token=anchor,
                                       context_len=ctx, hidden=tensor_to_proto(torch.randn(n, width).bfloat16()), **kw)

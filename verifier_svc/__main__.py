@@ -16,14 +16,14 @@ from dspark.device import add_device_flag, describe, device_or_exit
 from dspark.drafters.lookup import LookupDrafter
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag
-from dspark.models.threads import configure_threads, share_gil_with_torch_thread
+from dspark.models.threads import available_cores, configure_threads, share_gil_with_torch_thread
 from dspark.proto_gen.v1 import generation_pb2_grpc, scheduler_pb2, verifier_pb2_grpc
 from dspark.serving import metrics, tracing
 from dspark.serving.config import common_parser, env
 from dspark.serving.server import GrpcApp, setup_logging
 from dspark.speculative.engine import SpecEngine
 from verifier_svc.budget_control import BudgetControl
-from verifier_svc.remote_drafter import RemoteDrafter
+from verifier_svc.remote_drafter import SMALL_HOST_CORES, RemoteDrafter, ahead_pays
 from verifier_svc.reporter import SchedulerReporter, make_load
 from verifier_svc.runner import EngineRunner
 from verifier_svc.service import CoreSlot, GenerationService, VerifierCore, VerifierService
@@ -49,10 +49,11 @@ def parse_args(argv=None):
                     help="on: prompt lookup first, here where the tokens are (a request whose text repeats drafts "
                          "what followed before, no round trip; dspark/drafters/lookup.py), the drafter service "
                          "for the rest")
-    ap.add_argument("--draft-ahead", env="DSPARK_DRAFT_AHEAD", default="on", choices=["on", "off"],
+    ap.add_argument("--draft-ahead", env="DSPARK_DRAFT_AHEAD", default="auto", choices=["auto", "on", "off"],
                     help="on: while the target verifies a block, the drafter service drafts the next one on the "
                          "guess that the block is accepted (dspark/speculative/engine.py _draft_ahead); a step "
-                         "whose guess held waits for no draft")
+                         "whose guess held waits for no draft. auto: on unless the drafter is on this machine "
+                         f"and it has fewer than {SMALL_HOST_CORES} cores (there it slows the target's pass)")
     ap.add_argument("--draft-len", type=int, env="DSPARK_DRAFT_LEN", default=-1,
                     help="draft tokens a request verifies per step when not scheduled, and per request while the "
                          "scheduler is silent (default: the drafter's block size)")
@@ -135,12 +136,13 @@ async def serve(args) -> None:
             log.error("no drafter at %s after %.0f s: serving with plain decoding", args.drafter_addr,
                       args.drafter_wait_s)
     draft_len = (args.draft_len if args.draft_len >= 0 else drafter.gamma) if drafter is not None else 0
+    ahead = args.draft_ahead == "on" or (args.draft_ahead == "auto" and ahead_pays(args.drafter_addr, available_cores()))
     policy = control.make_policy(drafter, draft_len, args.schedule == "on")
     # Built on the torch thread too: its KV-cache fill is a parallel region, and a second thread's
     # OpenMP team makes libgomp throttle every worker's spin (more threads than cores).
     engine = await on_torch(SpecEngine, loaded.model, drafter, policy, max_batch=args.max_batch,
                             max_len=args.max_len, context_push_every=args.context_push_every,
-                            draft_ahead=args.draft_ahead == "on")
+                            draft_ahead=ahead)
     await control.warmup(engine, args.max_batch, run=on_torch)
     metrics.VERIFY_BUDGET.set(policy.budget_in_force)
 
@@ -182,7 +184,7 @@ async def serve(args) -> None:
         app.on_shutdown.insert(0, reporter.close)
     app.on_shutdown.append(lambda: asyncio.to_thread(runner.stop))
     drafting = (drafter.kind + (" + prompt lookup" if args.lookup == "on" else "")
-                + (", drafting ahead" if args.draft_ahead == "on" and drafter.drafts_ahead else "")) if drafter else "none"
+                + (", drafting ahead" if ahead and drafter.drafts_ahead else "")) if drafter else "none"
     log.info("verifier %s serving %s (%s matmuls on %s) at %s (drafter: %s, draft len %d, max batch %d, "
              "max len %d)", args.verifier_id, loaded.name, loaded.model.precision, describe(args.device),
              args.advertise_addr, drafting, draft_len, args.max_batch, args.max_len)

@@ -13,8 +13,10 @@ close() come from the one engine thread.
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,6 +33,24 @@ from dspark.speculative.errors import DrafterUnavailable
 from dspark.wire import WireError, tensor_from_proto, tensor_to_proto
 
 log = logging.getLogger(__name__)
+
+SMALL_HOST_CORES = 8  # below this, a drafter on the same machine drafting ahead slows the target's pass
+
+
+def ahead_pays(address: str, cores: int) -> bool:
+    """Whether to draft ahead by default. A draft ahead runs beside the target's pass: free when the
+    drafter has hardware of its own (another host or pod, a GPU), but on a machine of a few cores
+    that both share it takes the pass's cores and memory bandwidth, and most guesses miss with a
+    weak drafter (2-core host: 0.91x with it, docs/results.md)."""
+    host = address.rsplit(":", 1)[0].strip("[]") if not address.startswith("unix:") else "localhost"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            ip = ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0])
+        except (OSError, ValueError, IndexError):  # not resolvable from here: not this machine
+            return True
+    return not (ip.is_loopback and cores < SMALL_HOST_CORES)
 
 
 @dataclass

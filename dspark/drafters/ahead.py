@@ -45,12 +45,30 @@ class DraftAheadThread:
         self._job: tuple[Guesses, list[str], Future] | None = None
         self.rows_ahead = self.rows_used = 0  # blocks drafted ahead, and those whose guess held
 
+    # ---- what it is: the inner drafter's ----
+    gamma = property(lambda self: self.inner.gamma)
+    ctx_layers = property(lambda self: self.inner.ctx_layers)
+    kind = property(lambda self: self.inner.kind)
+    version = property(lambda self: self.inner.version)
+    remote = property(lambda self: False)
+    drafts_ahead = property(lambda self: True)
+
     def __getattr__(self, name: str):
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    drafts_ahead = True
+    def push(self) -> None:
+        """Nothing to send: in process the context is current once extended."""
+
+    def probe(self, req_ids, anchors, temperatures) -> bool:
+        return False
+
+    def probe_result(self):
+        return None
+
+    def free_draft(self, req_ids, texts, device=None):
+        return None
 
     def _settle(self) -> None:
         if self._job is not None:
