@@ -35,7 +35,7 @@ class DrafterContract(Protocol):
     def remote(self) -> bool: ...  # its contexts live in another process: push() sends them there
 
     @property
-    def drafts_ahead(self) -> bool: ...  # draft_ahead() does something (a remote block drafter)
+    def drafts_ahead(self) -> bool: ...  # it can draft from an anchor past its context (block drafters)
 
     def context_len(self, req_id: str) -> int: ...
 
@@ -60,7 +60,8 @@ class DrafterContract(Protocol):
     # Draft-ahead: called while the target verifies the block just drafted; drafts the next block of
     # each request as if its anchor were anchors[i], gaps[i] positions past its context (the block
     # accepted as verified, the drafter's next token the target's own). Does not wait; draft() uses a
-    # row when the request's anchor turns out to be that one, at that position.
+    # row when the request's anchor turns out to be that one, at that position. Done beside the
+    # target's pass by RemoteDrafter and DraftAheadThread; a bare local drafter does nothing.
     def draft_ahead(self, req_ids: list[str], anchors: list[int], gaps: list[int],
                     temperatures: list[float]) -> None: ...
 
