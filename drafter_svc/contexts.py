@@ -40,7 +40,7 @@ def _check_ids(request_id: str, what: str, ids, vocab_size: int) -> None:
 
 
 def decode_updates(request: drafter_pb2.DraftRequest, width: int, limits: Limits,
-                   drafts_ahead: bool = True) -> list[tuple]:
+                   drafts_ahead: bool = False) -> list[tuple]:
     """Check every sequence before anything changes; raises WireError (-> INVALID_ARGUMENT).
 
     Returns (update, hidden [n, width] or None) for each sequence that is not a release."""
@@ -65,8 +65,8 @@ def decode_updates(request: drafter_pb2.DraftRequest, width: int, limits: Limits
         if update.ahead and not drafts_ahead:
             raise WireError(f"request {update.request_id!r}: this drafter does not draft ahead (ahead={update.ahead})")
         if update.context_len + n + update.ahead > limits.max_len:
-            raise WireError(f"request {update.request_id!r}: context of {update.context_len + n} positions; "
-                            f"at most {limits.max_len}")
+            raise WireError(f"request {update.request_id!r}: anchor at position {update.context_len + n + update.ahead}; "
+                            f"at most {limits.max_len} positions")
         hidden = None
         if n or update.HasField("hidden"):
             hidden = tensor_from_proto(update.hidden, expected_shape=(n, width))

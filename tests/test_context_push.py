@@ -277,6 +277,10 @@ def test_a_draft_ahead_drafts_past_the_context_and_leaves_it_as_it_was():
     local = drafter.draft(["1:a"], torch.tensor([9]), torch.zeros(1), [None], gaps=[2])  # anchor at position 8
     assert list(ahead.tokens) == local.tokens[0].tolist()
     assert torch.equal(tensor_from_proto(ahead.confidence_logits), local.conf_logits[0])
+    far = drafter_pb2.DraftRequest(step=3, sequences=[drafter_pb2.SequenceUpdate(
+        request_id="a", context_len=6, anchor_token=9, ahead=limits.max_len)])
+    with pytest.raises(WireError, match="at most"):  # an anchor past the longest context is refused
+        answer(drafter, 1, keys, far, width, limits)
     # EAGLE-3 drafts step by step from its own features: nothing to draft ahead from.
     eagle = random_drafter(tiny_target(), "eagle3", gamma=3)
     assert not eagle.drafts_ahead
