@@ -310,9 +310,8 @@ class RemoteDrafter:
         link = self._live_link()
         ahead, self._ahead = self._ahead, None
         anchor_list = [int(a) for a in anchors]
-        held = set() if ahead is None else set(
-            ahead.guesses.held(req_ids, [self.context_len(r) for r in req_ids], anchor_list))
-        fresh = [i for i in range(len(req_ids)) if i not in held]
+        held, fresh = ([], list(range(len(req_ids)))) if ahead is None else ahead.guesses.split(
+            req_ids, [self.context_len(r) for r in req_ids], anchor_list)
         self.last_bytes = 0
         if fresh:
             request, sent_len = self._draft_request([req_ids[i] for i in fresh], [anchor_list[i] for i in fresh],
@@ -324,7 +323,7 @@ class RemoteDrafter:
         ahead_block = None
         if held:  # drafted while the target verified the last block: probably answered already
             response = ahead.answer or self._await(link, ahead.step)
-            ids = [req_ids[i] for i in sorted(held)]
+            ids = [req_ids[i] for i in held]
             ahead_block = self._to_block(ids, response, None)
             metrics.DRAFTS_AHEAD_USED.inc(len(ids))
         if not fresh:
@@ -337,7 +336,7 @@ class RemoteDrafter:
         for i in fresh:
             self._pending.pop(req_ids[i], None)
         block = self._to_block([req_ids[i] for i in fresh], response, sent_len)
-        return block if ahead_block is None else merge_rows(len(req_ids), [(sorted(held), ahead_block), (fresh, block)])
+        return block if ahead_block is None else merge_rows(len(req_ids), [(held, ahead_block), (fresh, block)])
 
     def draft_ahead(self, req_ids, anchors, gaps, temperatures) -> None:
         """Send, without waiting, each request's next block as if its anchor were anchors[i], gaps[i]

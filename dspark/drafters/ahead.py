@@ -29,6 +29,11 @@ class Guesses:
         """Rows of req_ids whose anchor is the guessed one at the guessed position."""
         return [i for i, r in enumerate(req_ids) if self.by_request.get(r) == (int(positions[i]), int(anchors[i]))]
 
+    def split(self, req_ids: list[str], positions: list[int], anchors: list[int]) -> tuple[list[int], list[int]]:
+        """(rows whose guess held, rows to draft afresh), each in order."""
+        held = self.held(req_ids, positions, anchors)
+        return held, [i for i in range(len(req_ids)) if i not in set(held)]
+
 
 class DraftAheadThread:
     """A local block drafter that drafts ahead on a thread of its own, beside the engine thread's
@@ -109,13 +114,12 @@ class DraftAheadThread:
             return self.inner.draft(req_ids, anchors, temperatures, generators, **extra)
         guesses, ahead_ids, future = job
         anchor_list = anchors.tolist()
-        held = guesses.held(req_ids, [self.inner.context_len(r) for r in req_ids], anchor_list)
+        held, fresh = guesses.split(req_ids, [self.inner.context_len(r) for r in req_ids], anchor_list)
         ahead = future.result()
         self.rows_used += len(held)
         ahead_rows = [ahead_ids.index(req_ids[i]) for i in held]
         held_block = DraftBlock(*(None if t is None else t[ahead_rows] for t in (
             ahead.tokens, ahead.conf_logits, ahead.support_ids, ahead.support_probs)))
-        fresh = [i for i in range(len(req_ids)) if i not in set(held)]
         if not fresh:
             return held_block
         pick = torch.tensor(fresh, device=anchors.device)

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from dspark.drafters.base import DraftBlock
+from dspark.drafters.base import DraftBlock, merge_rows
 from dspark.drafters.ngram_index import NgramIndex
 
 NO_GUESS = -30.0  # confidence logit of a slot that lookup had nothing for
@@ -197,25 +197,18 @@ class LookupDrafter:
             self.stats.record(n, guess, decided)
 
     def _merge(self, num: int, guesses: dict, rest: list[int], inner: DraftBlock | None, device) -> DraftBlock:
-        """One block: lookup's rows as point masses with lookup's confidences, the drafter's rows as it
-        drafted them; rows in neither (free drafts without a match) token 0 at NO_GUESS."""
-        gamma = self.gamma
-        rows, conf_rows = [[0] * gamma for _ in range(num)], [[NO_GUESS] * gamma for _ in range(num)]
-        for i, (guess, n) in guesses.items():
-            rows[i] = guess + [guess[-1]] * (gamma - len(guess))  # past the guess: a filler, NO_GUESS
-            conf_rows[i] = self.stats.logits(n, len(guess))
+        """One block: lookup's rows as point masses with lookup's confidences (taken as they are), the
+        drafter's rows as it drafted them; rows in neither (free drafts without a match) token 0 at
+        NO_GUESS."""
+        gamma, mine = self.gamma, [i for i in range(num) if i not in set(rest)]
+        rows, conf_rows = [[0] * gamma for _ in mine], [[NO_GUESS] * gamma for _ in mine]
+        for j, i in enumerate(mine):
+            if i in guesses:
+                guess, n = guesses[i]
+                rows[j] = guess + [guess[-1]] * (gamma - len(guess))  # past the guess: a filler, NO_GUESS
+                conf_rows[j] = self.stats.logits(n, len(guess))
         tokens = torch.tensor(rows, dtype=torch.long, device=device)  # built on the host, one copy
-        support = inner.support_ids.shape[-1] if inner is not None else 1
-        support_ids = torch.nn.functional.pad(tokens[..., None], (0, support - 1))
-        support_probs = torch.zeros(num, gamma, support, dtype=torch.float32, device=device)
-        support_probs[..., 0] = 1.0
         conf = torch.tensor(conf_rows, dtype=torch.float32, device=device) if self.inner.has_confidence else None
-        # The drafter's confidences go through its calibration; lookup's record and NO_GUESS as they are.
-        calibrated = torch.ones(num, dtype=torch.bool, device=device)
-        if inner is not None:
-            pick = torch.tensor(rest, device=device)
-            tokens[pick], support_ids[pick], support_probs[pick] = inner.tokens, inner.support_ids, inner.support_probs
-            if conf is not None:
-                conf[pick] = inner.conf_logits.float()
-            calibrated[pick] = False
-        return DraftBlock(tokens, conf, support_ids, support_probs, calibrated=calibrated)
+        lookup = DraftBlock(tokens, conf, tokens[..., None], torch.ones(len(mine), gamma, 1, device=device),
+                            calibrated=torch.ones(len(mine), dtype=torch.bool, device=device))
+        return lookup if inner is None else merge_rows(num, [(mine, lookup), (rest, inner)])
