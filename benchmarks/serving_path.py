@@ -6,7 +6,8 @@ text, in one run (issue 13: >= 0.9x in-process at c = 1, >= 0.95x at c = 16).
 
 A round at concurrency c: c requests at once (c client threads through the services; c sequences
 in one continuous batch in process), tokens/s = tokens / wall time. Rounds alternate which side
-goes first; the median round counts. Also prints the verifier's own engine time per step (its
+goes first; the median round counts, and so does the median of the services / in-process ratio
+within each round pair (steadier on a host whose speed drifts). Also prints the verifier's own engine time per step (its
 Prometheus histogram), so the gap splits into engine work and everything around it.
 Writes benchmarks/results/serving_path.{json,png}.
 """
@@ -116,17 +117,24 @@ def main(argv=None) -> None:
             same = rounds["in-process"][0]["outputs"] == rounds["services"][0]["outputs"]
             median = {side: statistics.median(r["tps"] for r in rows) for side, rows in rounds.items()}
             step_ms = {side: statistics.median(r["engine_step_ms"] for r in rows) for side, rows in rounds.items()}
+            # This host's speed drifts by +-25% within minutes: the ratio of the two sides measured in
+            # the same round pair is steadier than the ratio of two medians taken apart.
+            pairs = [s["tps"] / i["tps"] for i, s in zip(rounds["in-process"], rounds["services"])]
             results[c] = dict(in_process=median["in-process"], services=median["services"],
-                              ratio=median["services"] / median["in-process"], same_text=same,
+                              ratio=median["services"] / median["in-process"], pair_ratio=statistics.median(pairs),
+                              pair_range=[min(pairs), max(pairs)], same_text=same,
                               step_ms=step_ms, rounds={s: [r["tps"] for r in rows] for s, rows in rounds.items()})
     finally:
         for service in (verifier, scheduler):
             service.terminate(30)
 
-    print("\n| concurrency | in-process tokens/s | services tokens/s | services / in-process | same greedy text |")
-    print("|---|---|---|---|---|")
+    print("\n| concurrency | in-process tokens/s | services tokens/s | services / in-process | "
+          "per round pair: median (range) | same greedy text |")
+    print("|---|---|---|---|---|---|")
     for c, row in results.items():
-        print(f"| {c} | {row['in_process']:.1f} | {row['services']:.1f} | {row['ratio']:.2f}x | {row['same_text']} |")
+        low, high = row["pair_range"]
+        print(f"| {c} | {row['in_process']:.1f} | {row['services']:.1f} | {row['ratio']:.2f}x | "
+              f"{row['pair_ratio']:.2f}x ({low:.2f}-{high:.2f}) | {row['same_text']} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(dict(max_tokens=args.max_tokens, results=results), indent=2))

@@ -49,19 +49,25 @@ def serving(address: str) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def service_threads(cores: int) -> dict[str, int]:
-    """Torch threads per local service when OMP_NUM_THREADS does not say: the verifier gets every
+def service_threads(cores: int, requested: int | None = None) -> dict[str, int]:
+    """Torch threads per local service: the verifier gets OMP_NUM_THREADS (`requested`) or every
     core, the drafter and the rest one. Once the verifier's engine was built on its torch thread
     (no second OpenMP team to throttle its workers' spin), two threads beat one on 2 cores by
-    1.55x at c = 1 and 1.42x at c = 16 (docs/results.md); the gRPC work per token is small."""
-    return {"verifier_svc": max(1, cores)}
+    1.55x at c = 1 and 1.42x at c = 16; a drafter on two threads beside it is slower than on one
+    (its idle OpenMP workers spin on the verifier's cores: a drafted step 65.7 ms against 29.0 on
+    a 2-core host, docs/results.md), so OMP_NUM_THREADS never reaches the other services."""
+    return {"verifier_svc": max(1, requested or cores)}
+
+
+def requested_threads() -> int | None:
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def start(module: str, flags: list[str], log_dir: Path, token: str = "") -> subprocess.Popen:
     log = open(log_dir / f"{module}.log", "w")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(service_threads(available_cores()).get(module, 1))
+    env["OMP_NUM_THREADS"] = str(service_threads(available_cores(), requested_threads()).get(module, 1))
     if token:  # the internal plane's shared secret (a fresh one per run; the gateway needs none)
         env["DSPARK_INTERNAL_TOKEN"] = token
     return subprocess.Popen([sys.executable, "-m", module, *flags], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,

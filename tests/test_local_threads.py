@@ -12,3 +12,11 @@ def test_the_verifier_takes_every_core_and_the_other_services_one(cores, verifie
     assert threads["verifier_svc"] == verifier
     # everything else (drafter, scheduler, gateway) runs on one thread
     assert threads.get("drafter_svc", 1) == 1 and threads.get("scheduler_svc", 1) == 1
+
+
+@pytest.mark.parametrize("cores, requested", [(2, 2), (2, 1), (16, 4)])
+def test_omp_num_threads_sets_the_verifiers_threads_only(cores, requested):
+    threads = service_threads(cores, requested)
+    assert threads["verifier_svc"] == requested
+    # a drafter with a second OpenMP team beside the verifier's spins on its cores: never more than one
+    assert threads.get("drafter_svc", 1) == 1 and threads.get("scheduler_svc", 1) == 1
