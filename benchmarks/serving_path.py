@@ -7,8 +7,9 @@ text, in one run (issue 13: >= 0.9x in-process at c = 1, >= 0.95x at c = 16).
 A round at concurrency c: c requests at once (c client threads through the services; c sequences
 in one continuous batch in process), tokens/s = tokens / wall time. Rounds alternate which side
 goes first; the median round counts, and so does the median of the services / in-process ratio
-within each round pair (steadier on a host whose speed drifts). Also prints the verifier's own engine time per step (its
-Prometheus histogram), so the gap splits into engine work and everything around it.
+within each round pair (steadier on a host whose speed drifts). Also prints the verifier's own
+engine time per step (its Prometheus histogram), so the gap splits into engine work and
+everything around it.
 Writes benchmarks/results/serving_path.{json,png}.
 """
 from __future__ import annotations
