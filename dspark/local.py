@@ -29,7 +29,7 @@ from dspark.device import add_device_flag, device_or_exit
 from dspark.drafters.shipped import default_drafter_dir
 from dspark.models.loader import DEFAULT_MODEL
 from dspark.models.precision import add_precision_flag
-from dspark.models.threads import available_cores
+from dspark.models.threads import available_cores, requested_threads
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,11 +57,6 @@ def service_threads(cores: int, requested: int | None = None) -> dict[str, int]:
     (its idle OpenMP workers spin on the verifier's cores: k = 3 through the services 42.0 tokens/s
     against 57.0 on a 2-core host, docs/results.md), so OMP_NUM_THREADS never reaches the others."""
     return {"verifier_svc": max(1, requested or cores)}
-
-
-def requested_threads() -> int | None:
-    value = os.environ.get("OMP_NUM_THREADS", "")
-    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def start(module: str, flags: list[str], log_dir: Path, token: str = "") -> subprocess.Popen:

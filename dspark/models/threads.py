@@ -24,13 +24,21 @@ def available_cores() -> int:
     return cores
 
 
+def requested_threads() -> int | None:
+    """OMP_NUM_THREADS when set (a positive integer, else SystemExit), None when unset."""
+    raw = os.environ.get("OMP_NUM_THREADS", "")
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise SystemExit(f"OMP_NUM_THREADS must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
 def configure_threads() -> int:
     """OMP_NUM_THREADS when set (a positive integer), else every available core. Returns the count."""
-    raw = os.environ.get("OMP_NUM_THREADS", "")
-    if raw:
-        if not raw.isdigit() or int(raw) < 1:
-            raise SystemExit(f"OMP_NUM_THREADS must be a positive integer, got {raw!r}")
-        threads, source = int(raw), "OMP_NUM_THREADS"
+    requested = requested_threads()
+    if requested is not None:
+        threads, source = requested, "OMP_NUM_THREADS"
     else:
         threads, source = available_cores(), "available cores"
     torch.set_num_threads(threads)
