@@ -70,3 +70,23 @@ class OracleDrafter:
 def greedy_reference(target, prompts, max_tokens, max_len=256):
     engine = Engine(target, max_batch=len(prompts), max_len=max_len)
     return [s.output for s in engine.generate(prompts, SamplingParams(max_tokens=max_tokens))]
+
+
+def with_gguf_blocks(module: torch.nn.Module, qtype: int = 3) -> torch.nn.Module:
+    """Every nn.Linear of `module` stored as a GGUF file would store it (ggml type 3 = Q4_1, 8 =
+    Q8_0), its fp32 weight replaced by what the blocks hold: a model the gguf precision can run,
+    equal to its fp32 self, as a GGUF checkpoint's is. In place; returns the module."""
+    import gguf
+    import numpy as np
+
+    from dspark.models.precision import GgufBlocks
+
+    for linear in [m for m in module.modules() if type(m) is torch.nn.Linear]:
+        weight = linear.weight.detach().float().numpy()
+        blocks = gguf.quants.quantize(weight, gguf.GGMLQuantizationType(qtype))
+        with torch.no_grad():
+            linear.weight.copy_(torch.from_numpy(np.array(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype)),
+                                                          dtype=np.float32)).reshape(linear.weight.shape))
+        linear.gguf_blocks = GgufBlocks(qtype, torch.from_numpy(np.ascontiguousarray(blocks)).reshape(
+            linear.out_features, -1))
+    return module

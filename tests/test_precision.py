@@ -12,12 +12,22 @@ from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams
 from dspark.speculative.engine import SpecEngine
 from dspark.speculative.policy import FixedDraftLen
-from tests.spec_helpers import random_drafter, tiny_target
+from tests.spec_helpers import random_drafter, tiny_target, with_gguf_blocks
 
 # bf16's kernels exist only on CPUs with AVX-512 or AVX-NE-CONVERT; elsewhere bf16 is refused, which
 # test_bf16_is_refused_where_the_cpu_has_no_kernels checks on every CPU.
 FAST = ["int8", pytest.param("bf16", marks=pytest.mark.skipif(
-    not prec.has_bf16_matmul(), reason="this CPU has no oneDNN bf16 kernels: bf16 is refused here"))]
+    not prec.has_bf16_matmul(), reason="this CPU has no oneDNN bf16 kernels: bf16 is refused here")),
+        pytest.param("gguf", marks=pytest.mark.skipif(
+            not prec.has_gguf_matmul(), reason="no AVX2/FMA/F16C here: gguf is refused (tested below)"))]
+
+
+def fast_linear(linear: nn.Linear, precision: str) -> nn.Module:
+    """`linear` on the precision's kernel; under gguf first stored as a GGUF stores it (its weight
+    becomes what the blocks hold, so it stays the reference)."""
+    if precision == "gguf":
+        with_gguf_blocks(linear)
+    return prec.convert_linear(linear, precision)
 
 
 @pytest.mark.parametrize("precision", FAST)
@@ -25,7 +35,7 @@ FAST = ["int8", pytest.param("bf16", marks=pytest.mark.skipif(
 def test_linear_rows_do_not_depend_on_their_batch(precision, bias):
     torch.manual_seed(0)
     linear = nn.Linear(96, 200, bias=bias)
-    fast = prec.convert_linear(linear, precision)
+    fast = fast_linear(linear, precision)
     x = torch.randn(33, 96)
     x[5] *= 40  # an outlier row must not change anyone else's quantization
     together = fast(x)
@@ -43,7 +53,7 @@ def test_a_row_keeps_its_bits_at_every_row_count(precision, shape):
     shapes): a row must come out the same in a call of any number of rows, prefill sizes included."""
     torch.manual_seed(1)
     out_features, in_features = shape
-    fast = prec.convert_linear(nn.Linear(in_features, out_features, bias=False), precision)
+    fast = fast_linear(nn.Linear(in_features, out_features, bias=False), precision)
     x = torch.randn(300, in_features)
     alone = fast(x[:3])
     for rows in [1, 2, 5, 16, 31, 32, 33, 34, 40, 64, 65, 100, 129, 300]:
@@ -78,11 +88,51 @@ def test_auto_precision_follows_the_cpu(monkeypatch):
     assert prec.resolve_precision("auto") == "bf16"
     flags("avx512f", "avx512_vnni")
     assert prec.resolve_precision("auto") == "int8"
-    flags("avx2")
+    flags("avx2", "fma", "f16c")
+    assert prec.resolve_precision("auto") == "gguf"
+    monkeypatch.setenv("DSPARK_CPU_KERNELS", "0")  # no C++ kernels, no gguf matmul
     assert prec.resolve_precision("auto") == "fp32"
+    monkeypatch.delenv("DSPARK_CPU_KERNELS")
+    flags("avx", "sse4_2")
+    assert prec.resolve_precision("auto") == "fp32"
+    with pytest.raises(ValueError, match="gguf needs a CPU with AVX2"):
+        prec.resolve_precision("gguf")
     assert prec.resolve_precision("int8") == "int8"
     with pytest.raises(ValueError, match="precision must be one of"):
         prec.resolve_precision("fp8")
+    with pytest.raises(ValueError, match="runs on CPU kernels only"):
+        prec.resolve_precision("gguf", "cuda")
+
+
+@pytest.mark.skipif(not prec.has_gguf_matmul(), reason="no AVX2/FMA/F16C here: gguf is refused (tested above)")
+def test_gguf_blocks_hold_exactly_the_fp32_weights_the_checkpoint_loads():
+    """The gguf precision is the fp32 model, not an approximation of it: every block type the
+    default GGUF stores (Q4_1 layers, the Q8_0 embedding that is also the LM head) dequantizes in
+    the kernel to the very fp32 weights the fp32 path multiplies by, q and k rows unpermuted."""
+    from dspark.kernels.cpu import kernels
+
+    model = load_model(precision="fp32").model
+    model.set_precision("fp32")  # fuses q|k|v and gate|up: their blocks are stacked alike
+    layer = model.model.layers[3]
+    linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+               model.lm_head]
+    assert [linear.gguf_blocks.qtype for linear in linears] == [3, 3, 3, 3, 8]
+    for linear in linears:
+        dequantized = kernels().gguf_dequantize(linear.gguf_blocks.data, linear.gguf_blocks.qtype, linear.in_features)
+        assert torch.equal(dequantized, linear.weight)
+
+
+@pytest.mark.skipif(not prec.has_gguf_matmul(), reason="no AVX2/FMA/F16C here: gguf is refused (tested above)")
+def test_under_gguf_what_has_no_blocks_stays_fp32():
+    """A drafter (bf16 safetensors) or an HF checkpoint has no GGUF blocks: gguf leaves its matmuls
+    on fp32 and says so, rather than claiming a kernel that does not run."""
+    drafter = random_drafter(tiny_target(), "dspark")
+    hidden = torch.randn(5, drafter.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    before = drafter.draft_logits(hidden)
+    assert prec.apply_precision(drafter, "gguf") == "fp32"
+    assert torch.equal(drafter.draft_logits(hidden), before)
+    assert tiny_target().set_precision("gguf") == "fp32"
+    assert with_gguf_blocks(tiny_target()).set_precision("gguf") == "gguf"
 
 
 def test_fused_projections_keep_fp32_outputs():
@@ -124,9 +174,9 @@ def test_engine_pass_is_batch_invariant(precision):
 @pytest.mark.parametrize("precision", FAST)
 @pytest.mark.parametrize("kind", ["dspark", "eagle3"])
 def test_greedy_speculation_equals_plain_decoding_at_each_precision(precision, kind):
-    target = tiny_target()
+    target = with_gguf_blocks(tiny_target()) if precision == "gguf" else tiny_target()
     drafter = random_drafter(target, kind)
-    target.set_precision(precision)
+    assert target.set_precision(precision) == precision
     prec.apply_precision(drafter, precision)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
@@ -138,7 +188,7 @@ def test_greedy_speculation_equals_plain_decoding_at_each_precision(precision, k
     assert sum(s.spec.metrics.draft_tokens for s in spec) > 0
 
 
-@pytest.mark.parametrize("precision", FAST)
+@pytest.mark.parametrize("precision", FAST[:2])
 def test_a_drafters_lm_head_follows_its_precision_and_its_checkpoint_does_not_change(precision):
     """The draft LM head is a frozen buffer, not an nn.Linear: apply_precision still puts it on the
     precision's kernels (its logits then differ from fp32's by that precision's rounding only),

@@ -20,7 +20,7 @@ import torch
 from dspark.models.precision import cpu_flags
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "gguf_matmul.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -29,8 +29,8 @@ def _build_dir() -> Path:
     # The source's path and the interpreter too: build.ninja names both, so two checkouts (a
     # training worktree beside the main one) sharing a directory would rebuild in turn, each
     # waiting on the other's lock.
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(sorted(cpu_flags())).encode(),
-                 " ".join(FLAGS).encode(), str(SOURCE.resolve()).encode(), sys.executable.encode()):
+    for part in (*(s.read_bytes() for s in SOURCES), torch.__version__.encode(), " ".join(sorted(cpu_flags())).encode(),
+                 " ".join(FLAGS).encode(), *(str(s.resolve()).encode() for s in SOURCES), sys.executable.encode()):
         key.update(part)
     root = Path(os.environ.get("DSPARK_KERNEL_CACHE", Path.home() / ".cache" / "dspark" / "kernels"))
     path = root / key.hexdigest()[:16]
@@ -39,7 +39,7 @@ def _build_dir() -> Path:
 
 
 def kernels():
-    """The compiled module (`cached_attention`, `rms_norm`, `rope_cache_attention`), or None where
+    """The compiled module (`cached_attention`, `rms_norm`, `rope_cache_attention`, `gguf_linear`...), or None where
     it cannot be built (no compiler) or is turned off: the model then takes its SDPA path, slower
     but exact too."""
     return None if os.environ.get("DSPARK_CPU_KERNELS", "1") == "0" else _build()
@@ -53,8 +53,8 @@ def _build():
 
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
-        return cpp_extension.load("dspark_cpu_kernels", [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                                  build_directory=str(_build_dir()), verbose=False)
+        return cpp_extension.load("dspark_cpu_kernels", [str(s) for s in SOURCES], extra_cflags=FLAGS,
+                                  extra_ldflags=["-fopenmp"], build_directory=str(_build_dir()), verbose=False)
     except Exception as error:  # a missing compiler or ninja: fall back, say why once
         log.warning("CPU kernels unavailable, attention runs on SDPA (slower): %s", error)
         return None

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.kernels.cpu import kernels
+from dspark.models.precision import GgufBlocks
 
 
 class RMSNorm(nn.Module):
@@ -38,6 +39,7 @@ def fuse_linears(*linears: nn.Linear) -> nn.Linear:
         fused.weight.copy_(torch.cat([p.weight for p in linears]))
         if fused.bias is not None:
             fused.bias.copy_(torch.cat([p.bias for p in linears]))
+    fused.gguf_blocks = GgufBlocks.concat([getattr(p, "gguf_blocks", None) for p in linears])
     return fused
 
 

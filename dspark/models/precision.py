@@ -1,10 +1,14 @@
 """Serving precision: which matmul kernels the target and the drafters run on this CPU or GPU.
 
-`fp32` keeps `nn.Linear` (parity with transformers). `bf16` stores weights in bf16 and runs them
+`fp32` keeps `nn.Linear` (parity with transformers). `gguf` keeps the weights a GGUF checkpoint
+stores as Q4_1 / Q8_0 blocks in those blocks and multiplies in fp32 (dspark/kernels/gguf_matmul.cpp):
+the same fp32 model, 5.6x fewer bytes a token; modules without blocks (an HF checkpoint, the
+drafters) stay fp32. `bf16` stores weights in bf16 and runs them
 on oneDNN prepacked kernels (AMX where the CPU has it). `int8` stores weights int8 per output
 channel (FBGEMM, VNNI) with activations quantized per row, so a row's result never depends on the
 other rows of its batch. `auto` picks by what the CPU has: bf16 on AMX-BF16, else int8 on
-AVX-512 VNNI / AVX-VNNI, else fp32 (docs/results.md has the measurements behind the rule).
+AVX-512 VNNI / AVX-VNNI, else gguf on AVX2 (fp32 where a module has no GGUF blocks), else fp32
+(docs/results.md has the measurements behind the rule).
 On CUDA `auto` is bf16 and bf16 is a plain bf16 `nn.Linear` (cuBLAS, tensor cores); int8 is a
 CPU kernel (FBGEMM) and is refused there.
 
@@ -19,12 +23,13 @@ import functools
 import logging
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-PRECISIONS = ("auto", "fp32", "bf16", "int8")
+PRECISIONS = ("auto", "fp32", "gguf", "bf16", "int8")
 log = logging.getLogger(__name__)
 
 
@@ -45,6 +50,11 @@ def has_vnni() -> bool:
     return bool({"avx512_vnni", "avx_vnni"} & cpu_flags())
 
 
+def has_gguf_matmul() -> bool:
+    """dspark/kernels/gguf_matmul.cpp runs here: AVX2, FMA and F16C, C++ kernels not turned off."""
+    return {"avx2", "fma", "f16c"} <= cpu_flags() and os.environ.get("DSPARK_CPU_KERNELS", "1") != "0"
+
+
 def has_bf16_matmul() -> bool:
     """oneDNN's prepacked bf16 linear runs here (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
     flags = cpu_flags()
@@ -54,8 +64,8 @@ def has_bf16_matmul() -> bool:
 def add_precision_flag(ap: argparse.ArgumentParser, default: str = "auto") -> None:
     """--precision, defaulting to $DSPARK_PRECISION, else `default`."""
     ap.add_argument("--precision", default=os.environ.get("DSPARK_PRECISION", default), choices=PRECISIONS,
-                    help="matmul kernels (auto: bf16 on AMX, int8 on VNNI, else fp32; fp32 = parity with "
-                         "transformers)")
+                    help="matmul kernels (auto: bf16 on AMX, int8 on VNNI, else gguf on AVX2, else fp32; fp32 = "
+                         "parity with transformers; gguf = fp32 math on a GGUF's own Q4_1/Q8_0 blocks)")
 
 
 def resolve_precision(name: str, device: torch.device | str = "cpu") -> str:
@@ -63,19 +73,58 @@ def resolve_precision(name: str, device: torch.device | str = "cpu") -> str:
     if name not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
     if torch.device(device).type == "cuda":
-        if name == "int8":
-            raise ValueError("precision int8 runs on CPU kernels (FBGEMM) only; on cuda use bf16, fp32 or auto")
+        if name in ("int8", "gguf"):
+            raise ValueError(f"precision {name} runs on CPU kernels only; on cuda use bf16, fp32 or auto")
         return "bf16" if name == "auto" else name
     if name == "bf16" and not has_bf16_matmul():
         raise ValueError("precision bf16 needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT for oneDNN's "
                          "bf16 kernels, and this one has neither: use fp32, int8 or auto")
+    if name == "gguf" and not has_gguf_matmul():
+        raise ValueError("precision gguf needs a CPU with AVX2, FMA and F16C and the C++ kernels "
+                         "(DSPARK_CPU_KERNELS not 0): use fp32 or auto")
     if name != "auto":
         return name
     if "amx_bf16" in cpu_flags():
         return "bf16"
     if has_vnni() and "fbgemm" in torch.backends.quantized.supported_engines:
         return "int8"
-    return "fp32"
+    return "gguf" if has_gguf_matmul() else "fp32"
+
+
+@dataclass(frozen=True)
+class GgufBlocks:
+    """A linear's weight as its GGUF file stores it: `data` [out, row bytes] uint8, ggml type `qtype`.
+    The loader sets it on an nn.Linear as `gguf_blocks`; the precision gguf multiplies by it."""
+    qtype: int
+    data: torch.Tensor
+
+    SUPPORTED = {3: 20, 8: 34}  # ggml Q4_1, Q8_0: bytes per block of 32 weights
+
+    @classmethod
+    def concat(cls, parts: list[GgufBlocks | None]) -> GgufBlocks | None:
+        """Rows of several linears stacked (a fused q|k|v), when all have blocks of one type."""
+        if any(p is None for p in parts) or len({p.qtype for p in parts}) != 1:
+            return None
+        return cls(parts[0].qtype, torch.cat([p.data for p in parts]))
+
+
+class GgufLinear(nn.Module):
+    """y = x W^T + b, W in the GGUF's own blocks, fp32 math, batch-invariant (gguf_matmul.cpp)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        from dspark.kernels.cpu import kernels
+
+        self.blocks: GgufBlocks = linear.gguf_blocks
+        self.kernel = kernels().gguf_linear
+        self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel(x.reshape(-1, self.in_features), self.blocks.data, self.blocks.qtype)
+        if self.bias is not None:
+            y += self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 class Int8Linear(nn.Module):
@@ -196,6 +245,8 @@ def convert_linear(linear: nn.Linear, precision: str) -> nn.Module:
         if precision == "bf16":
             return CudaBf16Linear(linear)
         raise ValueError(f"no CUDA kernel for precision {precision!r}")
+    if precision == "gguf":  # the fp32 module where there are no blocks (an HF checkpoint, a drafter)
+        return GgufLinear(linear) if getattr(linear, "gguf_blocks", None) is not None else linear
     if precision == "int8":
         return Int8Linear(linear)
     if precision == "bf16":
@@ -214,6 +265,8 @@ def apply_precision(module: nn.Module, precision: str) -> str:
             sub.fuse_projections()
     if precision == "fp32":
         return precision
+    if precision == "gguf" and not any(getattr(m, "gguf_blocks", None) is not None for m in module.modules()):
+        return "fp32"  # nothing stored in blocks: every matmul stays fp32, say so
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
