@@ -123,16 +123,23 @@ def test_gguf_blocks_hold_exactly_the_fp32_weights_the_checkpoint_loads():
 
 
 @pytest.mark.skipif(not prec.has_gguf_matmul(), reason="no AVX2/FMA/F16C here: gguf is refused (tested above)")
-def test_under_gguf_what_has_no_blocks_stays_fp32():
-    """A drafter (bf16 safetensors) or an HF checkpoint has no GGUF blocks: gguf leaves its matmuls
-    on fp32 and says so, rather than claiming a kernel that does not run."""
+def test_under_gguf_a_target_without_blocks_stays_fp32_and_a_drafter_gets_q8_0_blocks():
+    """A target from an HF checkpoint has no GGUF blocks: gguf leaves it fp32 and says so, rather
+    than change the model. A drafter's weights may be approximated (it only proposes): they get
+    Q8_0 blocks at load, its draft LM head too, and its logits stay close to fp32's."""
+    assert tiny_target().set_precision("gguf") == "fp32"
+    assert with_gguf_blocks(tiny_target()).set_precision("gguf") == "gguf"
     drafter = random_drafter(tiny_target(), "dspark")
     hidden = torch.randn(5, drafter.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     before = drafter.draft_logits(hidden)
-    assert prec.apply_precision(drafter, "gguf") == "fp32"
-    assert torch.equal(drafter.draft_logits(hidden), before)
-    assert tiny_target().set_precision("gguf") == "fp32"
-    assert with_gguf_blocks(tiny_target()).set_precision("gguf") == "gguf"
+    assert prec.apply_precision(drafter, "gguf") == "gguf"
+    assert type(drafter.__dict__["_draft_head"]) is prec.GgufLinear
+    # Blocks hold 32 inputs: a narrower matmul (the tiny drafter's W2 takes 16) stays fp32.
+    assert not any(type(m) is nn.Linear and m.in_features % 32 == 0 for m in drafter.modules())
+    assert any(type(m) is prec.GgufLinear for m in drafter.modules())
+    after = drafter.draft_logits(hidden)
+    assert not torch.equal(after, before) and torch.allclose(after, before, atol=0.02 * before.abs().max().item())
+    assert not any("draft_head" in key for key in drafter.state_dict())
 
 
 def test_fused_projections_keep_fp32_outputs():

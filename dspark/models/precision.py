@@ -2,8 +2,8 @@
 
 `fp32` keeps `nn.Linear` (parity with transformers). `gguf` keeps the weights a GGUF checkpoint
 stores as Q4_1 / Q8_0 blocks in those blocks and multiplies in fp32 (dspark/kernels/gguf_matmul.cpp):
-the same fp32 model, 5.6x fewer bytes a token; modules without blocks (an HF checkpoint, the
-drafters) stay fp32. `bf16` stores weights in bf16 and runs them
+the same fp32 model, 5.6x fewer bytes a token; a target without blocks (an HF checkpoint) stays
+fp32, a drafter (`exact_matmuls = False`) gets Q8_0 blocks of its weights made at load. `bf16` stores weights in bf16 and runs them
 on oneDNN prepacked kernels (AMX where the CPU has it). `int8` stores weights int8 per output
 channel (FBGEMM, VNNI) with activations quantized per row, so a row's result never depends on the
 other rows of its batch. `auto` picks by what the CPU has: bf16 on AMX-BF16, else int8 on
@@ -26,6 +26,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -106,6 +107,15 @@ class GgufBlocks:
         if any(p is None for p in parts) or len({p.qtype for p in parts}) != 1:
             return None
         return cls(parts[0].qtype, torch.cat([p.data for p in parts]))
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, qtype: int = 8) -> GgufBlocks:
+        """Blocks made from a float weight [out, in] by gguf's own quantizer (Q8_0 by default): an
+        approximation, for modules whose matmuls need not be exact (a drafter's)."""
+        import gguf
+
+        blocks = gguf.quants.quantize(weight.detach().float().cpu().numpy(), gguf.GGMLQuantizationType(qtype))
+        return cls(qtype, torch.from_numpy(np.ascontiguousarray(blocks)).reshape(weight.shape[0], -1))
 
 
 class GgufLinear(nn.Module):
@@ -265,6 +275,12 @@ def apply_precision(module: nn.Module, precision: str) -> str:
             sub.fuse_projections()
     if precision == "fp32":
         return precision
+    if precision == "gguf" and not getattr(module, "exact_matmuls", True):
+        # A drafter's matmuls decide only what is proposed, never what is accepted: Q8_0 blocks of
+        # its weights, made now, put it on the same kernel at a quarter of fp32's bytes.
+        for linear in module.modules():
+            if type(linear) is nn.Linear and getattr(linear, "gguf_blocks", None) is None and linear.in_features % 32 == 0:
+                linear.gguf_blocks = GgufBlocks.quantize(linear.weight)
     if precision == "gguf" and not any(getattr(m, "gguf_blocks", None) is not None for m in module.modules()):
         return "fp32"  # nothing stored in blocks: every matmul stays fp32, say so
     for parent in list(module.modules()):
