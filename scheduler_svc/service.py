@@ -27,6 +27,7 @@ from scheduler_svc.budget_planner import BudgetPlanner
 from scheduler_svc.online_calibration import OnlineCalibrator
 from scheduler_svc.registry import Registry
 from scheduler_svc.verifier_binding import caller_refusal, peer_host, registration_refusal
+from scheduler_svc.verifier_stream import StreamError, VerifierStream
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class Router:
     def __init__(self, registry: Registry, max_message_mb: float, queue_timeout_s: float):
         self.registry, self.max_message_mb, self.queue_timeout_s = registry, max_message_mb, queue_timeout_s
         self._stubs: dict[str, verifier_pb2_grpc.VerifierStub] = {}
+        self._streams: dict[str, VerifierStream] = {}
         self._channels: list[grpc.aio.Channel] = []
         self.waiting = 0
 
@@ -54,6 +56,13 @@ class Router:
             self._channels.append(channel)
             self._stubs[address] = verifier_pb2_grpc.VerifierStub(channel)
         return self._stubs[address]
+
+    def stream(self, address: str) -> VerifierStream:
+        """The open GenerateMany stream to a verifier; a new one once the last broke."""
+        stream = self._streams.get(address)
+        if stream is None or stream.broken is not None:
+            stream = self._streams[address] = VerifierStream(self.stub(address))
+        return stream
 
     async def acquire(self, request_id: str) -> str | None:
         """A verifier address, counted in flight; None when none had room within the queue timeout."""
@@ -82,6 +91,8 @@ class Router:
         self.registry.inflight[address] -= 1
 
     async def close(self) -> None:
+        for stream in self._streams.values():
+            stream.close()
         for channel in self._channels:
             await channel.close()
 
@@ -124,14 +135,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 routed.resume.streamed_token_ids.extend(streamed)
                 routed.resume.streamed_text = "".join(text)
             span.set_attribute("dspark.verifier", address)
-            call = self.router.stub(address).Generate(routed, metadata=tracing.metadata(span))
+            stream = self.router.stream(address)
+            key = stream.start(routed, tracing.carrier(span))
             try:
-                async for chunk in self._relay(call, streamed, text, has_peer=lambda: len(self.registry.live()) > 1):
+                async for chunk in self._relay(stream.chunks(key), streamed, text,
+                                               has_peer=lambda: len(self.registry.live()) > 1):
                     yield chunk
                     if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                         return
                 raise VerifierLost("stream ended without a final chunk")
-            except grpc.aio.AioRpcError as error:
+            except StreamError as error:
                 if error.code() not in LOST:  # a verdict on the request itself: pass it on
                     if streamed:
                         yield pb.GenerateChunk(request_id=request.request_id, offset=len(streamed),
@@ -142,7 +155,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             except VerifierLost as error:
                 why = str(error)
             finally:
-                call.cancel()
+                stream.finish(key)
                 self.router.release(address)
             lost += 1
             self.registry.mark_dead(address)
@@ -156,8 +169,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                        finish_reason=pb.FINISH_REASON_ERROR, error=f"gave up after {lost} verifier losses")
                 return
 
-    async def _relay(self, call, streamed: list[int], text: list[str], has_peer):
-        async for chunk in call:
+    async def _relay(self, chunks, streamed: list[int], text: list[str], has_peer):
+        async for chunk in chunks:
             if chunk.offset != len(streamed):  # never relay a duplicate or leave a gap
                 raise VerifierLost(f"chunk at offset {chunk.offset}, expected {len(streamed)}")
             if chunk.finish_reason == pb.FINISH_REASON_CANCELLED and has_peer():

@@ -100,6 +100,9 @@ def valid_messages(cluster) -> list[tuple[str, str, str, bytes]]:
         ("verifier", "/dspark.v1.Verifier/Generate", "unary_stream",
          verifier_pb2.RoutedGenerateRequest(request=request, resume=verifier_pb2.ResumeInfo(
              streamed_token_ids=[8], streamed_text="w8")).SerializeToString()),
+        ("verifier", "/dspark.v1.Verifier/GenerateMany", "stream_stream", verifier_pb2.StreamCommand(
+            key=7, start=verifier_pb2.RoutedGenerateRequest(request=request),
+            trace_context={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}).SerializeToString()),
         ("verifier", "/dspark.v1.Verifier/SetVerifyBudget", "unary_unary", decision.SerializeToString()),
         ("verifier", "/dspark.v1.Verifier/GetLoad", "unary_unary", verifier_pb2.GetLoadRequest().SerializeToString()),
         ("verifier", "/dspark.v1.Generation/Generate", "unary_stream", request.SerializeToString()),
@@ -202,6 +205,7 @@ MESSAGE_CLASSES = {
     "/dspark.v1.Scheduler/Heartbeat": scheduler_pb2.HeartbeatRequest,
     "/dspark.v1.Scheduler/ReportStep": scheduler_pb2.StepReport,
     "/dspark.v1.Verifier/Generate": verifier_pb2.RoutedGenerateRequest,
+    "/dspark.v1.Verifier/GenerateMany": verifier_pb2.StreamCommand,
     "/dspark.v1.Verifier/SetVerifyBudget": load_pb2.BudgetDecision,
     "/dspark.v1.Verifier/GetLoad": verifier_pb2.GetLoadRequest,
     "/dspark.v1.Drafter/DraftStream": drafter_pb2.DraftRequest,

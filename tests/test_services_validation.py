@@ -2,15 +2,18 @@
 each bad one succeeds). Real processes on localhost, tiny target written here."""
 from __future__ import annotations
 
+import queue
+
 import grpc
 import pytest
 import torch
 from dspark_client import Client, DSparkError, RetryPolicy
 from grpc_health.v1 import health_pb2
 from service_helpers import (AUTH, RedisServer, health_status, internal_channel, start_drafter, start_scheduler,
-                             start_verifier, wait_registered, wait_serving, write_tiny_target)
+                             start_verifier, wait_registered, wait_serving, wait_until, write_tiny_target)
 
-from dspark.proto_gen.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2_grpc, tensor_pb2
+from dspark.proto_gen.v1 import (drafter_pb2, drafter_pb2_grpc, generation_pb2_grpc, tensor_pb2, verifier_pb2,
+                                 verifier_pb2_grpc)
 from dspark.proto_gen.v1 import generation_pb2 as pb
 from dspark.wire import tensor_to_proto
 
@@ -85,6 +88,53 @@ def test_max_tokens_zero_means_the_server_default_and_negative_cannot_be_sent(cl
         # ... and a negative value never leaves the client.
         with pytest.raises(ValueError):
             client.generate(token_ids=[5, 6], max_tokens=-1)
+
+
+def test_generate_many_keys_chunks_refuses_bad_starts_and_frees_cancelled_slots(cluster):
+    """The scheduler's stream to a verifier: chunks of every request that moved come in one
+    message a step, keyed; a bad start or a key in use is refused on its key alone (the others
+    go on); a cancel frees the request's slot; the text is the one-request Generate's."""
+    channel = internal_channel(cluster["verifier"])
+    verifier = verifier_pb2_grpc.VerifierStub(channel)
+
+    def start(key: int, **fields) -> verifier_pb2.StreamCommand:
+        return verifier_pb2.StreamCommand(key=key, start=verifier_pb2.RoutedGenerateRequest(
+            request=pb.GenerateRequest(request_id=f"k{key}", **fields)))
+
+    greedy = dict(token_ids=pb.TokenIds(ids=[5, 6, 7]), max_tokens=12)
+    alone = [t for c in verifier.Generate(start(0, **greedy).start, timeout=60) for t in c.token_ids]
+    commands = queue.Queue()
+    for command in (start(1, **greedy), start(3, token_ids=pb.TokenIds(ids=[5, 6]), max_tokens=200),
+                    start(2, token_ids=pb.TokenIds(ids=[5, 10_000])), start(3, **greedy)):
+        commands.put(command)
+    call = verifier.GenerateMany(iter(commands.get, None), timeout=60)
+    tokens, finished, refused, batch_sizes = {1: [], 3: []}, set(), {}, []
+    for batch in call:
+        batch_sizes.append(len(batch.chunks))
+        for item in batch.chunks:
+            if not item.HasField("chunk"):
+                refused[item.key] = grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == item.status_code))
+                continue
+            assert item.chunk.offset == len(tokens[item.key]) and item.chunk.request_id == f"k{item.key}"
+            tokens[item.key] += item.chunk.token_ids
+            if item.chunk.finish_reason:
+                finished.add(item.key)
+        if len(tokens[3]) >= 4 and 3 not in finished and not commands.qsize():
+            commands.put(verifier_pb2.StreamCommand(key=3, cancel=True))
+            commands.put(verifier_pb2.StreamCommand(key=4, cancel=True))  # an unknown key: nothing to do
+            commands.put(None)  # no more commands: the stream ends once key 1 is done
+    assert refused == {2: grpc.StatusCode.INVALID_ARGUMENT, 3: grpc.StatusCode.INVALID_ARGUMENT}
+    assert finished == {1} and tokens[1] == alone
+    assert 4 <= len(tokens[3]) < 200
+    assert max(batch_sizes) >= 2  # keys 1 and 3 moved in the same steps
+
+    def idle() -> bool:
+        load = verifier.GetLoad(verifier_pb2.GetLoadRequest(), timeout=10)
+        return load.running == 0 and load.queued == 0
+
+    wait_until(idle, 10, what="the cancelled request's slot freed")
+    with Client(cluster["scheduler"], timeout=60) as client:
+        assert_serving(client)
 
 
 def _draft_request(width: int, rows: torch.Tensor | None = None, **update) -> drafter_pb2.DraftRequest:

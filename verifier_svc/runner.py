@@ -33,7 +33,7 @@ class Event:
 class Job:
     request: EngineRequest
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # or any put_nowait sink (a shared stream's)
     seq: object = None
     span: object = None  # the request's trace span when tracing is on
 

@@ -78,78 +78,211 @@ class VerifierCore:
             return list(request.token_ids.ids)
         return self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages.messages])
 
-    async def generate(self, request: pb.GenerateRequest, resume: verifier_pb2.ResumeInfo | None, context):
-        with tracing.server_span("verifier.generate", context,
-                                 {"dspark.request_id": request.request_id, "dspark.resumed": resume is not None}) as span:
-            async for chunk in self._generate(request, resume, context, span):
-                yield chunk
-
-    async def _generate(self, request: pb.GenerateRequest, resume: verifier_pb2.ResumeInfo | None, context, span):
+    def admit(self, request: pb.GenerateRequest, resume: verifier_pb2.ResumeInfo | None, span,
+              events=None) -> ActiveRequest | pb.GenerateChunk:
+        """Check a request and hand it to the engine thread; its events go to `events` (anything
+        with put_nowait; a queue of its own by default). Returns the final chunk instead when a
+        resumed request has nothing left to generate. Raises RequestError for a bad request."""
         started = time.perf_counter()
         if resume is None and request.HasField("resume"):  # a client's retry sent straight here
             resume = verifier_pb2.ResumeInfo(streamed_token_ids=request.resume.streamed_token_ids,
                                              streamed_text=request.resume.streamed_text)
         streamed = list(resume.streamed_token_ids) if resume is not None else []
-        try:
-            check_request(request, {self.model_name, "default"})
-            check_max_tokens(request.max_tokens, self.max_tokens_cap or self.max_len)
-            prompt = self._prompt(request)
-            if not prompt:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty after tokenization")
-            check_token_ids(prompt, self.vocab_size)
-            check_token_ids(streamed, self.vocab_size, "resumed token id")
-            check_token_ids(list(request.stop_token_ids), self.vocab_size, "stop token id")
-            check_prompt_fits(len(prompt), self.max_len)
-            params = sampling_params(request, self.default_max_tokens)
-            params.max_tokens -= len(streamed)
-        except RequestError as error:
-            await context.abort(error.code, error.message)
+        check_request(request, {self.model_name, "default"})
+        check_max_tokens(request.max_tokens, self.max_tokens_cap or self.max_len)
+        prompt = self._prompt(request)
+        if not prompt:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty after tokenization")
+        check_token_ids(prompt, self.vocab_size)
+        check_token_ids(streamed, self.vocab_size, "resumed token id")
+        check_token_ids(list(request.stop_token_ids), self.vocab_size, "stop token id")
+        check_prompt_fits(len(prompt), self.max_len)
+        params = sampling_params(request, self.default_max_tokens)
+        params.max_tokens -= len(streamed)
         job_id = uuid.uuid4().hex  # the engine's and the drafter's key for this job: ours alone
         req_id = request.request_id or job_id  # the client's, echoed in the chunks and traced; never a key
         prior = resume.metrics if resume is not None and resume.HasField("metrics") else None
         if params.max_tokens <= 0 or len(prompt) + len(streamed) >= self.max_len:
             # A resume of a request that had in fact reached its limit: only the final chunk is left.
-            yield pb.GenerateChunk(request_id=req_id, offset=len(streamed), finish_reason=pb.FINISH_REASON_LENGTH,
-                                   metrics=prior or pb.SpecMetrics(prompt_tokens=len(prompt)))
-            return
+            return pb.GenerateChunk(request_id=req_id, offset=len(streamed), finish_reason=pb.FINISH_REASON_LENGTH,
+                                    metrics=prior or pb.SpecMetrics(prompt_tokens=len(prompt)))
         spec = request.speculation  # the request's draft_len: 0 = no speculation, None = the drafter's block
         draft_len = 0 if spec.disable else (spec.max_draft_tokens or None)
         job = Job(EngineRequest(prompt + streamed, params, job_id, draft_len), asyncio.get_running_loop())
+        if events is not None:
+            job.events = events
         if span.is_recording():
             job.span = span  # the engine thread hangs this request's step spans under it
             span.set_attributes({"dspark.request_id": req_id, "dspark.job_id": job_id, "dspark.prompt_tokens": len(prompt),
                                  "dspark.resumed_tokens": len(streamed), "dspark.max_tokens": params.max_tokens})
         text = TextStream(self.tokenizer.decode, list(request.stop), streamed,
                           resume.streamed_text if resume is not None else "")
-        offset, done = len(streamed), False
+        active = ActiveRequest(self.runner, job, req_id, text, len(streamed), len(prompt), prior, started, span)
         self.runner.submit(job)
+        return active
+
+    async def generate(self, request: pb.GenerateRequest, resume: verifier_pb2.ResumeInfo | None, context):
+        """One request, one stream of chunks (the public Generate and Verifier.Generate)."""
+        with tracing.server_span("verifier.generate", context,
+                                 {"dspark.request_id": request.request_id, "dspark.resumed": resume is not None}) as span:
+            try:
+                active = self.admit(request, resume, span)
+            except RequestError as error:
+                await context.abort(error.code, error.message)
+            if isinstance(active, pb.GenerateChunk):
+                yield active
+                return
+            try:
+                while not active.done:
+                    yield active.chunk(await active.job.events.get())
+            finally:
+                active.abandon()
+
+    async def generate_many(self, commands, context):
+        """Many requests over one stream (Verifier.GenerateMany): one ChunkBatch per engine step
+        with the chunk of every request that moved, refusals keyed like chunks. The stream ends
+        once the caller has closed its side and every request it started has finished."""
+        inbox = StreamInbox()
+        active: dict[int, ActiveRequest] = {}
+
+        def end_abandoned(request: ActiveRequest) -> None:
+            request.abandon()
+            request.span.set_attribute("dspark.cancelled", True)
+            request.span.end()
+
+        def refuse(key: int, code: grpc.StatusCode, message: str) -> None:
+            inbox.put(key, verifier_pb2.KeyedChunk(key=key, status_code=code.value[0], status_message=message))
+
+        async def read() -> None:
+            try:
+                async for command in commands:
+                    key, kind = command.key, command.WhichOneof("command")
+                    if kind == "cancel":
+                        if key in active:
+                            end_abandoned(active.pop(key))
+                        continue
+                    if kind != "start":
+                        refuse(key, grpc.StatusCode.INVALID_ARGUMENT, "a command needs start or cancel")
+                    elif key in active:
+                        refuse(key, grpc.StatusCode.INVALID_ARGUMENT, f"key {key} is in use on this stream")
+                    else:
+                        start = command.start
+                        resume = start.resume if start.HasField("resume") else None
+                        span = tracing.child_span("verifier.generate", command.trace_context,
+                                                  {"dspark.request_id": start.request.request_id,
+                                                   "dspark.resumed": resume is not None})
+                        try:
+                            admitted = self.admit(start.request, resume, span, events=inbox.sink(key))
+                        except RequestError as error:
+                            span.end()
+                            refuse(key, error.code, error.message)
+                            continue
+                        if isinstance(admitted, pb.GenerateChunk):
+                            span.end()
+                            inbox.put(key, verifier_pb2.KeyedChunk(key=key, chunk=admitted))
+                        else:
+                            active[key] = admitted
+            finally:
+                inbox.wake()
+
+        reader = asyncio.create_task(read())
         try:
-            while not done:
-                event = await job.events.get()
-                delta, stop_hit = text.push(event.tokens, final=event.finish is not None)
-                # A stop string inside an accepted burst: the tokens after it are not part of the output.
-                tokens = event.tokens[:len(event.tokens) - text.overshoot] if stop_hit else event.tokens
-                chunk = pb.GenerateChunk(request_id=req_id, token_ids=tokens, text=delta, offset=offset)
-                offset += len(tokens)
-                metrics.GENERATED_TOKENS.inc(len(tokens))
-                if stop_hit and event.finish is None:
-                    self.runner.cancel(job)
-                if event.finish is not None or stop_hit:
-                    done = True
-                    chunk.finish_reason = pb.FINISH_REASON_STOP if stop_hit else FINISH[event.finish]
-                    if event.error:
-                        chunk.finish_reason, chunk.error = pb.FINISH_REASON_ERROR, event.error
-                    chunk.metrics.CopyFrom(metrics_proto(event.metrics or job.seq.spec.metrics, len(prompt),
-                                                         offset, prior))
-                    metrics.REQUEST_LATENCY.observe(time.perf_counter() - started)
-                    span.set_attributes({"dspark.generated_tokens": offset,
-                                         "dspark.finish_reason": pb.FinishReason.Name(chunk.finish_reason),
-                                         "dspark.draft_tokens": chunk.metrics.draft_tokens,
-                                         "dspark.accepted_tokens": chunk.metrics.accepted_tokens})
-                yield chunk
+            while True:
+                items = await inbox.take()
+                batch = verifier_pb2.ChunkBatch()
+                for key, item in items:
+                    if isinstance(item, verifier_pb2.KeyedChunk):
+                        batch.chunks.append(item)
+                    elif key in active:  # else cancelled after the engine sent this
+                        request = active[key]
+                        batch.chunks.add(key=key).chunk.CopyFrom(request.chunk(item))
+                        if request.done:
+                            del active[key]
+                            request.span.end()
+                if batch.chunks:
+                    yield batch
+                if reader.done() and not active and not inbox.items:
+                    reader.result()  # the caller's stream broke: raise what broke it
+                    return
         finally:
-            if not done:  # the caller went away: free the slot now
-                self.runner.cancel(job)
+            reader.cancel()
+            for request in active.values():
+                end_abandoned(request)
+
+
+class StreamInbox:
+    """Where a GenerateMany stream's engine events land, as (key, event) in delivery order. The
+    runner hands an event loop one step's events in one callback, so a step wakes the stream once."""
+
+    def __init__(self):
+        self.items: list[tuple[int, object]] = []
+        self._ready = asyncio.Event()
+
+    def put(self, key: int, item) -> None:
+        self.items.append((key, item))
+        self._ready.set()
+
+    def sink(self, key: int) -> _KeyedSink:
+        return _KeyedSink(self, key)
+
+    def wake(self) -> None:
+        self._ready.set()
+
+    async def take(self) -> list[tuple[int, object]]:
+        await self._ready.wait()
+        self._ready.clear()
+        items, self.items = self.items, []
+        return items
+
+
+class _KeyedSink:
+    """A Job's event queue on a shared stream: puts land in the inbox under the request's key."""
+
+    def __init__(self, inbox: StreamInbox, key: int):
+        self.inbox, self.key = inbox, key
+
+    def put_nowait(self, event) -> None:
+        self.inbox.put(self.key, event)
+
+
+class ActiveRequest:
+    """An admitted request: its engine job, and the text and offset its chunks carry on."""
+
+    def __init__(self, runner, job: Job, req_id: str, text: TextStream, offset: int, prompt_len: int,
+                 prior: pb.SpecMetrics | None, started: float, span):
+        self.runner, self.job, self.req_id, self.text = runner, job, req_id, text
+        self.offset, self.prompt_len, self.prior, self.started, self.span = offset, prompt_len, prior, started, span
+        self.done = False
+
+    def chunk(self, event) -> pb.GenerateChunk:
+        """The chunk for one engine event; sets `done` on the last one."""
+        delta, stop_hit = self.text.push(event.tokens, final=event.finish is not None)
+        # A stop string inside an accepted burst: the tokens after it are not part of the output.
+        tokens = event.tokens[:len(event.tokens) - self.text.overshoot] if stop_hit else event.tokens
+        chunk = pb.GenerateChunk(request_id=self.req_id, token_ids=tokens, text=delta, offset=self.offset)
+        self.offset += len(tokens)
+        metrics.GENERATED_TOKENS.inc(len(tokens))
+        if stop_hit and event.finish is None:
+            self.runner.cancel(self.job)
+        if event.finish is not None or stop_hit:
+            self.done = True
+            chunk.finish_reason = pb.FINISH_REASON_STOP if stop_hit else FINISH[event.finish]
+            if event.error:
+                chunk.finish_reason, chunk.error = pb.FINISH_REASON_ERROR, event.error
+            chunk.metrics.CopyFrom(metrics_proto(event.metrics or self.job.seq.spec.metrics, self.prompt_len,
+                                                 self.offset, self.prior))
+            metrics.REQUEST_LATENCY.observe(time.perf_counter() - self.started)
+            self.span.set_attributes({"dspark.generated_tokens": self.offset,
+                                      "dspark.finish_reason": pb.FinishReason.Name(chunk.finish_reason),
+                                      "dspark.draft_tokens": chunk.metrics.draft_tokens,
+                                      "dspark.accepted_tokens": chunk.metrics.accepted_tokens})
+        return chunk
+
+    def abandon(self) -> None:
+        """The caller went away (or its stream ended): free the slot now."""
+        if not self.done:
+            self.done = True
+            self.runner.cancel(self.job)
 
 
 class CoreSlot:
@@ -188,6 +321,11 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         resume = request.resume if request.HasField("resume") else None
         async for chunk in core.generate(request.request, resume, context):
             yield chunk
+
+    async def GenerateMany(self, request_iterator, context):
+        core = await self.slot.get(context)
+        async for batch in core.generate_many(request_iterator, context):
+            yield batch
 
     async def SetVerifyBudget(self, request, context):
         self.apply_budget(request)

@@ -3,11 +3,12 @@
 `fp32` keeps `nn.Linear` (parity with transformers). `gguf` keeps the weights a GGUF checkpoint
 stores as Q4_1 / Q8_0 blocks in those blocks and multiplies in fp32 (dspark/kernels/gguf_matmul.cpp):
 the same fp32 model, 5.6x fewer bytes a token; a target without blocks (an HF checkpoint) stays
-fp32, a drafter (`exact_matmuls = False`) gets Q8_0 blocks of its weights made at load. `bf16` stores weights in bf16 and runs them
-on oneDNN prepacked kernels (AMX where the CPU has it). `int8` stores weights int8 per output
-channel (FBGEMM, VNNI) with activations quantized per row, so a row's result never depends on the
-other rows of its batch. `auto` picks by what the CPU has: bf16 on AMX-BF16, else int8 on
-AVX-512 VNNI / AVX-VNNI, else gguf on AVX2 (fp32 where a module has no GGUF blocks), else fp32
+fp32, a drafter (`exact_matmuls = False`) gets Q8_0 blocks of its weights made at load. `bf16`
+stores weights in bf16 and runs them on oneDNN prepacked kernels (AMX where the CPU has it).
+`int8` stores weights int8 per output channel (FBGEMM, VNNI) with activations quantized per row,
+so a row's result never depends on the other rows of its batch. `auto` picks by what the CPU
+has: bf16 on AMX-BF16, else int8 on AVX-512 VNNI / AVX-VNNI, else gguf on AVX2 (fp32 where a
+module has no GGUF blocks), else fp32
 (docs/results.md has the measurements behind the rule).
 On CUDA `auto` is bf16 and bf16 is a plain bf16 `nn.Linear` (cuBLAS, tensor cores); int8 is a
 CPU kernel (FBGEMM) and is refused there.

@@ -117,6 +117,14 @@ def context_from(pairs) -> Context:
     return propagate.extract({k: v for k, v in items if isinstance(v, str)})
 
 
+def child_span(name: str, carrier_map, attributes: dict | None = None) -> trace.Span:
+    """A started SERVER span, child of the span a proto map carries (the caller ends it): for a
+    request inside a stream that carries many. trace.INVALID_SPAN when tracing is off."""
+    if not _enabled:
+        return trace.INVALID_SPAN
+    return tracer().start_span(name, context=context_from(carrier_map), kind=SpanKind.SERVER, attributes=attributes)
+
+
 @contextlib.contextmanager
 def server_span(name: str, grpc_context, attributes: dict | None = None):
     """A SERVER span for one call, child of the caller's span when its metadata carries one.

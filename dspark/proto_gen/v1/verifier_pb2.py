@@ -26,21 +26,31 @@ from . import generation_pb2 as dspark_dot_v1_dot_generation__pb2
 from . import load_pb2 as dspark_dot_v1_dot_load__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64spark/v1/verifier.proto\x12\tdspark.v1\x1a\x1a\x64spark/v1/generation.proto\x1a\x14\x64spark/v1/load.proto\"h\n\nResumeInfo\x12\x1a\n\x12streamed_token_ids\x18\x01 \x03(\x03\x12\x15\n\rstreamed_text\x18\x02 \x01(\t\x12\'\n\x07metrics\x18\x03 \x01(\x0b\x32\x16.dspark.v1.SpecMetrics\"k\n\x15RoutedGenerateRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.dspark.v1.GenerateRequest\x12%\n\x06resume\x18\x02 \x01(\x0b\x32\x15.dspark.v1.ResumeInfo\"\x19\n\x17SetVerifyBudgetResponse\"\x10\n\x0eGetLoadRequest2\xe5\x01\n\x08Verifier\x12H\n\x08Generate\x12 .dspark.v1.RoutedGenerateRequest\x1a\x18.dspark.v1.GenerateChunk0\x01\x12P\n\x0fSetVerifyBudget\x12\x19.dspark.v1.BudgetDecision\x1a\".dspark.v1.SetVerifyBudgetResponse\x12=\n\x07GetLoad\x12\x19.dspark.v1.GetLoadRequest\x1a\x17.dspark.v1.VerifierLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64spark/v1/verifier.proto\x12\tdspark.v1\x1a\x1a\x64spark/v1/generation.proto\x1a\x14\x64spark/v1/load.proto\"h\n\nResumeInfo\x12\x1a\n\x12streamed_token_ids\x18\x01 \x03(\x03\x12\x15\n\rstreamed_text\x18\x02 \x01(\t\x12\'\n\x07metrics\x18\x03 \x01(\x0b\x32\x16.dspark.v1.SpecMetrics\"k\n\x15RoutedGenerateRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.dspark.v1.GenerateRequest\x12%\n\x06resume\x18\x02 \x01(\x0b\x32\x15.dspark.v1.ResumeInfo\"\xe4\x01\n\rStreamCommand\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x31\n\x05start\x18\x02 \x01(\x0b\x32 .dspark.v1.RoutedGenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12\x41\n\rtrace_context\x18\x04 \x03(\x0b\x32*.dspark.v1.StreamCommand.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07\x63ommand\"o\n\nKeyedChunk\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.dspark.v1.GenerateChunk\x12\x13\n\x0bstatus_code\x18\x03 \x01(\x05\x12\x16\n\x0estatus_message\x18\x04 \x01(\t\"3\n\nChunkBatch\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.dspark.v1.KeyedChunk\"\x19\n\x17SetVerifyBudgetResponse\"\x10\n\x0eGetLoadRequest2\xaa\x02\n\x08Verifier\x12H\n\x08Generate\x12 .dspark.v1.RoutedGenerateRequest\x1a\x18.dspark.v1.GenerateChunk0\x01\x12\x43\n\x0cGenerateMany\x12\x18.dspark.v1.StreamCommand\x1a\x15.dspark.v1.ChunkBatch(\x01\x30\x01\x12P\n\x0fSetVerifyBudget\x12\x19.dspark.v1.BudgetDecision\x1a\".dspark.v1.SetVerifyBudgetResponse\x12=\n\x07GetLoad\x12\x19.dspark.v1.GetLoadRequest\x1a\x17.dspark.v1.VerifierLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dspark.v1.verifier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STREAMCOMMAND_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_STREAMCOMMAND_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_RESUMEINFO']._serialized_start=89
   _globals['_RESUMEINFO']._serialized_end=193
   _globals['_ROUTEDGENERATEREQUEST']._serialized_start=195
   _globals['_ROUTEDGENERATEREQUEST']._serialized_end=302
-  _globals['_SETVERIFYBUDGETRESPONSE']._serialized_start=304
-  _globals['_SETVERIFYBUDGETRESPONSE']._serialized_end=329
-  _globals['_GETLOADREQUEST']._serialized_start=331
-  _globals['_GETLOADREQUEST']._serialized_end=347
-  _globals['_VERIFIER']._serialized_start=350
-  _globals['_VERIFIER']._serialized_end=579
+  _globals['_STREAMCOMMAND']._serialized_start=305
+  _globals['_STREAMCOMMAND']._serialized_end=533
+  _globals['_STREAMCOMMAND_TRACECONTEXTENTRY']._serialized_start=471
+  _globals['_STREAMCOMMAND_TRACECONTEXTENTRY']._serialized_end=522
+  _globals['_KEYEDCHUNK']._serialized_start=535
+  _globals['_KEYEDCHUNK']._serialized_end=646
+  _globals['_CHUNKBATCH']._serialized_start=648
+  _globals['_CHUNKBATCH']._serialized_end=699
+  _globals['_SETVERIFYBUDGETRESPONSE']._serialized_start=701
+  _globals['_SETVERIFYBUDGETRESPONSE']._serialized_end=726
+  _globals['_GETLOADREQUEST']._serialized_start=728
+  _globals['_GETLOADREQUEST']._serialized_end=744
+  _globals['_VERIFIER']._serialized_start=747
+  _globals['_VERIFIER']._serialized_end=1045
 # @@protoc_insertion_point(module_scope)

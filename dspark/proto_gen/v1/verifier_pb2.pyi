@@ -26,6 +26,43 @@ class RoutedGenerateRequest(_message.Message):
     resume: ResumeInfo
     def __init__(self, request: _Optional[_Union[_generation_pb2.GenerateRequest, _Mapping]] = ..., resume: _Optional[_Union[ResumeInfo, _Mapping]] = ...) -> None: ...
 
+class StreamCommand(_message.Message):
+    __slots__ = ("key", "start", "cancel", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    start: RoutedGenerateRequest
+    cancel: bool
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, key: _Optional[int] = ..., start: _Optional[_Union[RoutedGenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class KeyedChunk(_message.Message):
+    __slots__ = ("key", "chunk", "status_code", "status_message")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    chunk: _generation_pb2.GenerateChunk
+    status_code: int
+    status_message: str
+    def __init__(self, key: _Optional[int] = ..., chunk: _Optional[_Union[_generation_pb2.GenerateChunk, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
+
+class ChunkBatch(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[KeyedChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[KeyedChunk, _Mapping]]] = ...) -> None: ...
+
 class SetVerifyBudgetResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

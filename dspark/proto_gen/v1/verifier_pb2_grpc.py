@@ -41,6 +41,11 @@ class VerifierStub:
                 request_serializer=dspark_dot_v1_dot_verifier__pb2.RoutedGenerateRequest.SerializeToString,
                 response_deserializer=dspark_dot_v1_dot_generation__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/dspark.v1.Verifier/GenerateMany',
+                request_serializer=dspark_dot_v1_dot_verifier__pb2.StreamCommand.SerializeToString,
+                response_deserializer=dspark_dot_v1_dot_verifier__pb2.ChunkBatch.FromString,
+                _registered_method=True)
         self.SetVerifyBudget = channel.unary_unary(
                 '/dspark.v1.Verifier/SetVerifyBudget',
                 request_serializer=dspark_dot_v1_dot_load__pb2.BudgetDecision.SerializeToString,
@@ -58,6 +63,15 @@ class VerifierServicer:
 
     def Generate(self, request, context):
         """Same chunks as the public Generation.Generate; the scheduler relays them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """The scheduler's path: many requests over one stream. Each message back carries the new
+        chunks of every request that moved, so an engine step costs one send here and one receive
+        at the scheduler instead of one per request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,6 +96,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=dspark_dot_v1_dot_verifier__pb2.RoutedGenerateRequest.FromString,
                     response_serializer=dspark_dot_v1_dot_generation__pb2.GenerateChunk.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=dspark_dot_v1_dot_verifier__pb2.StreamCommand.FromString,
+                    response_serializer=dspark_dot_v1_dot_verifier__pb2.ChunkBatch.SerializeToString,
             ),
             'SetVerifyBudget': grpc.unary_unary_rpc_method_handler(
                     servicer.SetVerifyBudget,
@@ -121,6 +140,33 @@ class Verifier:
             '/dspark.v1.Verifier/Generate',
             dspark_dot_v1_dot_verifier__pb2.RoutedGenerateRequest.SerializeToString,
             dspark_dot_v1_dot_generation__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dspark.v1.Verifier/GenerateMany',
+            dspark_dot_v1_dot_verifier__pb2.StreamCommand.SerializeToString,
+            dspark_dot_v1_dot_verifier__pb2.ChunkBatch.FromString,
             options,
             channel_credentials,
             insecure,
