@@ -42,6 +42,7 @@ CONFIGS = {
     "fixed k=3": dict(schedule="off", draft_len=3),
     "fixed k=7": dict(schedule="off", draft_len=7),
     "scheduler": dict(schedule="on", draft_len=3),  # the fallback while the scheduler has not decided
+    "scheduler, no lookup": dict(schedule="on", draft_len=3, lookup="off"),  # the drafter's blocks alone
 }
 
 

@@ -238,3 +238,40 @@ def test_free_lengths_verify_nothing_before_any_step_time_is_known():
     sps.observe(1, 0.01)
     sps.observe(5, 0.011)
     assert policy.free_lengths(block, [4]) == [4]  # four guesses at p = 1/2 each, nearly free to verify
+
+
+def test_the_drafters_report_and_checks_leave_out_the_rows_lookup_filled():
+    """A drafted step's block mixes lookup's rows with the drafter's. The step report feeds the
+    drafter's budget and calibration, so it carries the drafter's rows only: lookup's confidences,
+    earned by lookup, would pass for the drafter's and keep a drafter that does not pay verified."""
+    target = tiny_target()
+    drafter = LookupDrafter(random_drafter(target, "dspark"))
+    blocks = []
+    draft = drafter.draft
+
+    def spy(req_ids, *args, **kwargs):
+        block = draft(req_ids, *args, **kwargs)
+        blocks.append((list(req_ids), block))
+        return block
+
+    drafter.draft = spy
+    engine = SpecEngine(target, drafter, FixedDraftLen(3), max_batch=4, max_len=256)
+    prompts = repetitive_prompts(2) + [[7, 19, 23, 31, 40, 52]]
+    seqs = [engine.add(p, SamplingParams(max_tokens=30)) for p in prompts]
+    mixed = 0
+    while engine.has_work():
+        blocks.clear()
+        engine.step()
+        report = engine.last_report
+        if not blocks:
+            continue
+        req_ids, block = blocks[-1]
+        lookup = set() if block.calibrated is None else {r for r, c in zip(req_ids, block.calibrated.tolist()) if c}
+        assert not lookup & set(report.req_ids)
+        assert len(report.req_ids) == len(report.verified) == len(report.accepted)
+        if report.req_ids:
+            rows = [req_ids.index(r) for r in report.req_ids]
+            assert torch.equal(report.conf_logits, block.conf_logits[rows])
+        mixed += bool(lookup) and bool(report.req_ids)
+    assert mixed > 0  # steps where both kinds of rows were drafted did happen
+    assert [s.output for s in seqs] == greedy_reference(target, prompts, 30)

@@ -339,15 +339,22 @@ class SpecEngine(Engine):
         report = StepReport(batch_size=len(step.seqs), batch_tokens=len(step.batch.tokens))
         events, first = [], 0
         features = step.out.features.to(torch.bfloat16) if self.capture_layers else None  # one conversion a step
+        # The report and the checks are the drafter's: its budget and calibration. Rows that prompt
+        # lookup filled score themselves (LookupStats); in the report their confidences would pass
+        # for the drafter's and keep a drafter that does not pay verified.
+        lookup_rows = set() if block is None or block.calibrated is None else \
+            set(torch.nonzero(block.calibrated).flatten().tolist())
+        report_rows = []
         for i, seq in enumerate(step.seqs):
             n_acc, n_head = num_acc[i], len(step.heads[i])
             kept = n_head + n_acc  # rows of this pass that are now decided context
             if self.capture_layers:
                 seq.spec.log_features(features[first:first + kept])
             first += n_head + step.lens[i]
-            if (block is not None and i >= step.num_admitted and step.lens[i] == 0 and block.conf_logits is not None
-                    and seq.params.temperature == 0):  # drafted, none verified: checked once decided
-                row = i - step.num_admitted
+            row = i - step.num_admitted
+            if (block is not None and row >= 0 and row not in lookup_rows and step.lens[i] == 0
+                    and block.conf_logits is not None and seq.params.temperature == 0):
+                # drafted, none verified: checked once decided
                 self._checks.add(seq.req_id, len(seq.tokens), block.tokens[row].tolist(), block.conf_logits[row])
             seq.cached += kept
             self.cache.rollback(seq.slot, seq.cached)
@@ -359,7 +366,8 @@ class SpecEngine(Engine):
                     break
             if i >= step.num_admitted:
                 seq.spec.metrics.record(step.lens[i], n_acc, len(new))
-                if block is not None:
+                if block is not None and row not in lookup_rows:
+                    report_rows.append(row)
                     report.req_ids.append(seq.req_id)
                     report.verified.append(step.lens[i])
                     report.accepted.append(n_acc)
@@ -367,6 +375,6 @@ class SpecEngine(Engine):
             if seq.done:
                 self._release(seq)
         if block is not None and block.conf_logits is not None and report.req_ids:
-            report.conf_logits = block.conf_logits
+            report.conf_logits = block.conf_logits if not lookup_rows else block.conf_logits[report_rows]
         self.last_report = report
         return events
