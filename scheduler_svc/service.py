@@ -219,7 +219,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """The verify budget by the two-step rule once this verifier reported confidences
         (decided=False: keep yours), and the newest temperatures of its drafter version."""
         budget = self.planner.budgets.get(verifier_id)
-        decision = load_pb2.BudgetDecision(verify_budget=budget or 0, decided=budget is not None)
+        decision = load_pb2.BudgetDecision(verify_budget=budget or 0, decided=budget is not None,
+                                           min_draft_gain=self.planner.min_gain)
         if not drafter_version:
             drafter_version = (self.registry.by_id(verifier_id) or {}).get("drafter_version", "")
         calibration = self.calibrator.calibration(drafter_version) if self.calibrator and drafter_version else None

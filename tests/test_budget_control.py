@@ -176,6 +176,11 @@ def test_budget_control_splits_step_time_into_target_pass_and_drafting():
     control.on_step(StepReport(batch_size=3, batch_tokens=3, seconds=0.25, draft_seconds=0.01, drafted=False,
                                verified=[], accepted=[]))
     assert control.sps.items() == [(3, 0.25), (6, pytest.approx(0.3))]  # the skipped step's 0.01 s is not drafting
+    # A skipped step that verified 3 of lookup's guesses (kept out of the drafter's report) is a
+    # step at 5 tokens; a pass with a prompt in it is no decode step.
+    control.on_step(StepReport(batch_size=2, batch_tokens=5, seconds=0.28, drafted=False))
+    control.on_step(StepReport(batch_size=2, batch_tokens=40, seconds=2.0, drafted=False, prefill=True))
+    assert control.sps.items() == [(3, 0.25), (5, 0.28), (6, pytest.approx(0.3))]
     assert control.draft_cost.items() == [(2, 0.2)]
     control.on_step(first)  # again after a skipped step
     assert control.draft_cost.items() == [(2, 0.2)]
@@ -185,6 +190,11 @@ def test_budget_control_splits_step_time_into_target_pass_and_drafting():
     assert control.draft_cost.items() == [(2, 0.2)]
     load = control.fill_load(load_pb2.VerifierLoad())
     assert [(p.requests, p.seconds) for p in load.draft_cost] == [(2, pytest.approx(0.2))]
+    # The scheduler's --min-draft-gain holds prompt lookup's free blocks too; 0 (not sent) keeps it.
+    assert control.policy.free_min_gain == 1.0
+    control.apply(decision(0, min_draft_gain=1.3))
+    control.apply(decision(0))
+    assert control.policy.free_min_gain == pytest.approx(1.3)
     # Fixed draft length (--schedule=off): the scheduler's budget is never applied.
     control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1"), default_draft_len=2, scheduled=False)
     control.apply(decision(0))

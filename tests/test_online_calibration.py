@@ -238,6 +238,7 @@ def test_shipped_temperatures_are_the_prior_until_an_online_fit(schedulers):
         step.drafter_version = "shipped-prior-v1"
         reply = stub.ReportStep(step, timeout=RPC_S)
         assert reply.decided and reply.verify_budget == verify_budget(logits, prior, seconds_table(SPS))
+        assert reply.min_draft_gain == 1.0  # the scheduler's --min-draft-gain, for the verifier's free blocks
         assert reply.verify_budget != verify_budget(logits, None, seconds_table(SPS))  # the prior made a difference
         assert not reply.HasField("calibration")  # no online fit to push yet
         for bad in (np.ones(GAMMA + 1), np.zeros(GAMMA)):  # wrong length, not positive

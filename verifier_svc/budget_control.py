@@ -89,6 +89,8 @@ class BudgetControl:
             return  # not scheduled (--schedule=off) or no drafter
         if decision.decided:
             self.source.push(decision.verify_budget)
+        if decision.min_draft_gain > 0:
+            self.policy.free_min_gain = decision.min_draft_gain
         if decision.HasField("calibration"):
             self.set_calibration(decision.calibration)
 
@@ -111,8 +113,9 @@ class BudgetControl:
 
     # ---- engine thread -------------------------------------------------------------------------
     def on_step(self, report) -> None:
-        # Pure decode steps only (no prompt in the pass): B = requests + drafts verified.
-        if report.batch_tokens == report.batch_size + sum(report.verified) and report.seconds > 0:
+        # Decode steps only (no prompt in the pass): B = requests + drafts verified, the drafter's
+        # and prompt lookup's alike, so the table learns what verifying lookup's guesses costs.
+        if not report.prefill and report.seconds > 0:
             drafting = report.draft_seconds if report.drafted else 0.0
             self.sps.observe(report.batch_tokens, report.seconds - drafting)
             # The draft-cost table holds what drafting adds per step while drafting goes on: a drafted

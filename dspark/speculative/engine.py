@@ -85,7 +85,8 @@ class VerifyStep:
 class StepReport:
     """What one step did: for load reports, SPS profiling and online calibration."""
     batch_size: int = 0
-    batch_tokens: int = 0
+    batch_tokens: int = 0  # tokens the pass fed: prompts, anchors and every draft verified (lookup's too)
+    prefill: bool = False  # the pass held a prompt: its time is no decode step's
     seconds: float = 0.0
     draft_seconds: float = 0.0
     drafted: bool = False  # whether the drafter ran this step (draft_seconds is its cost then)
@@ -336,7 +337,8 @@ class SpecEngine(Engine):
     def _commit(self, step: VerifyStep, num_acc: list[int], out_tokens: list[list[int]], block):
         """Accepted tokens become context: cache rolled back past the rejected drafts, features kept
         for the drafter, metrics and the step report updated, finished requests released."""
-        report = StepReport(batch_size=len(step.seqs), batch_tokens=len(step.batch.tokens))
+        report = StepReport(batch_size=len(step.seqs), batch_tokens=len(step.batch.tokens),
+                            prefill=step.num_admitted > 0)
         events, first = [], 0
         features = step.out.features.to(torch.bfloat16) if self.capture_layers else None  # one conversion a step
         # The report and the checks are the drafter's: its budget and calibration. Rows that prompt

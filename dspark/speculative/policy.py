@@ -97,6 +97,9 @@ class ConfidencePolicy:
         self.probing = False
         self.offset = LiveOffset()
         self.free_sps = free_sps if free_sps is not None else getattr(source, "sps", None)
+        # What a free block must promise over plain decoding, as the drafter's budget must (under
+        # the services the scheduler's --min-draft-gain; 1 = any gain).
+        self.free_min_gain = 1.0
 
     @property
     def default_draft_len(self) -> int:
@@ -147,7 +150,7 @@ class ConfidencePolicy:
             return [0] * len(draft_lens)
         survival = self._survival(block)
         try:
-            budget = budget_from_survival(survival, self.free_sps)
+            budget = budget_from_survival(survival, self.free_sps, min_gain=self.free_min_gain)
         except ValueError:  # no step time measured yet (a live SPS table fills from steps): verify none
             return [0] * len(draft_lens)
         return [int(x) for x in admit_top_k(survival, budget, np.asarray(draft_lens))]

@@ -60,11 +60,13 @@ class Calibration(_message.Message):
     def __init__(self, drafter_version: _Optional[str] = ..., version: _Optional[int] = ..., temperatures: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class BudgetDecision(_message.Message):
-    __slots__ = ("verify_budget", "calibration", "decided")
+    __slots__ = ("verify_budget", "calibration", "decided", "min_draft_gain")
     VERIFY_BUDGET_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     DECIDED_FIELD_NUMBER: _ClassVar[int]
+    MIN_DRAFT_GAIN_FIELD_NUMBER: _ClassVar[int]
     verify_budget: int
     calibration: Calibration
     decided: bool
-    def __init__(self, verify_budget: _Optional[int] = ..., calibration: _Optional[_Union[Calibration, _Mapping]] = ..., decided: _Optional[bool] = ...) -> None: ...
+    min_draft_gain: float
+    def __init__(self, verify_budget: _Optional[int] = ..., calibration: _Optional[_Union[Calibration, _Mapping]] = ..., decided: _Optional[bool] = ..., min_draft_gain: _Optional[float] = ...) -> None: ...
