@@ -46,7 +46,7 @@ def test_every_service_has_its_methods():
     expected = {
         generation_pb2: ("dspark.v1.Generation", {"Generate", "ListModels"}),
         drafter_pb2: ("dspark.v1.Drafter", {"DraftStream", "DrafterInfo"}),
-        verifier_pb2: ("dspark.v1.Verifier", {"Generate", "SetVerifyBudget", "GetLoad"}),
+        verifier_pb2: ("dspark.v1.Verifier", {"Generate", "GenerateMany", "SetVerifyBudget", "GetLoad"}),
         scheduler_pb2: ("dspark.v1.Scheduler", {"RegisterVerifier", "Heartbeat", "ReportStep"}),
     }
     for module, (full_name, methods) in expected.items():
@@ -61,6 +61,7 @@ def test_every_service_has_its_methods():
     }
     assert streams["dspark.v1.Generation.Generate"] == (False, True)
     assert streams["dspark.v1.Verifier.Generate"] == (False, True)
+    assert streams["dspark.v1.Verifier.GenerateMany"] == (True, True)
     assert streams["dspark.v1.Drafter.DraftStream"] == (True, True)
     assert streams["dspark.v1.Scheduler.ReportStep"] == (False, False)
     for stubs in (generation_pb2_grpc, drafter_pb2_grpc, verifier_pb2_grpc, scheduler_pb2_grpc):

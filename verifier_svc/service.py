@@ -8,6 +8,7 @@ continues after them without sending them again.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 
@@ -28,6 +29,8 @@ from dspark.serving.textstream import TextStream
 from dspark.speculative.engine import EngineRequest
 from dspark.speculative.metrics import SpecMetrics
 from verifier_svc.runner import Job
+
+log = logging.getLogger(__name__)
 
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_CANCELLED}
 
@@ -176,6 +179,11 @@ class VerifierCore:
                         except RequestError as error:
                             span.end()
                             refuse(key, error.code, error.message)
+                            continue
+                        except Exception as error:  # a bug on one request: the stream's others go on
+                            log.exception("admitting request %r failed", start.request.request_id)
+                            span.end()
+                            refuse(key, grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}")
                             continue
                         if isinstance(admitted, pb.GenerateChunk):
                             span.end()
