@@ -231,18 +231,18 @@ def test_free_lengths_verify_nothing_before_any_step_time_is_known():
 
     target = tiny_target()
     drafter = LookupDrafter(random_drafter(target, "dspark"))
-    block = drafter.free_draft(["a"], [[3, 4, 3, 4, 3]])
+    block = drafter.free_draft(["a", "b"], [[3, 4, 3, 4, 3], [3, 4, 3, 4, 3]])
     sps = LiveSps()  # a verifier started with --sps-warmup-s=0: empty until its first steps
     policy = ConfidencePolicy(ScheduledBudget(default_draft_len=3), free_sps=sps)
-    assert policy.free_lengths(block, [4]) == [0]
-    sps.observe(1, 0.01)
-    sps.observe(5, 0.011)
-    assert policy.free_lengths(block, [4]) == [4]  # four guesses at p = 1/2 each, nearly free to verify
+    assert policy.free_lengths(block, [4, 4]) == [0, 0]
+    sps.observe(2, 0.01)
+    sps.observe(10, 0.011)
+    assert policy.free_lengths(block, [4, 4]) == [4, 4]  # four guesses at p = 1/2 each, nearly free to verify
     # They promise 1.76x plain decoding's rate: under a scheduler that asks drafting for 2x, none.
     policy.free_min_gain = 2.0
-    assert policy.free_lengths(block, [4]) == [0]
+    assert policy.free_lengths(block, [4, 4]) == [0, 0]
     policy.free_min_gain = 1.5
-    assert policy.free_lengths(block, [4]) == [4]
+    assert policy.free_lengths(block, [4, 4]) == [4, 4]
 
 
 def test_the_drafters_report_and_checks_leave_out_the_rows_lookup_filled():

@@ -280,8 +280,11 @@ def test_appendix_a_cases_really_speculate():
 
 
 def test_a_minimum_gain_keeps_plain_decoding_unless_drafting_promises_more():
+    """The margin is for batches, whose requests finish at different steps (the slowest decides
+    the wall time, which the per-step model cannot see): it applies from two requests on."""
     sps = lambda b: np.full(np.shape(b), 50.0)  # noqa: E731  20 ms a pass at any B
-    a = prefix_survival(np.full((1, 4), 0.5))  # promises 0.94 draft tokens: 1.94 tokens vs 1 a step
-    assert budget_from_survival(a, sps, draft_seconds=0.01) == 4  # 1.94 / 30 ms = 1.29x plain
+    a = prefix_survival(np.full((2, 4), 0.5))  # each promises 0.94 draft tokens: 1.94 tokens vs 1 a step
+    assert budget_from_survival(a, sps, draft_seconds=0.01) == 8  # 1.94 / 30 ms = 1.29x plain
     assert budget_from_survival(a, sps, draft_seconds=0.01, min_gain=1.3) == 0
-    assert budget_from_survival(a, sps, draft_seconds=0.0, min_gain=1.3) == 4  # 1.94x
+    assert budget_from_survival(a, sps, draft_seconds=0.0, min_gain=1.3) == 8  # 1.94x
+    assert budget_from_survival(a[:1], sps, draft_seconds=0.01, min_gain=1.3) == 4  # one request: any gain

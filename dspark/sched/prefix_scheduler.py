@@ -103,8 +103,10 @@ def budget_from_survival(a_two_steps_ago: np.ndarray, sps, draft_seconds: float 
     drafter that costs more than it saves loses to it.
 
     drafted_scale: how much longer drafted steps really take than the tables say (measured live
-    by the caller; 1 = the tables are right). min_gain: a budget K > 0 must promise at least this
-    many times plain decoding's Theta (1 = any gain).
+    by the caller; 1 = the tables are right). min_gain: from two requests on, a budget K > 0 must
+    promise at least this many times plain decoding's Theta (1 = any gain). The margin covers what
+    the per-step model cannot see, that requests of a batch finish at different steps and the
+    slowest decides the wall time; one request's steps are its wall time, so it drafts on any gain.
     """
     a = _check_survival(a_two_steps_ago)
     num_requests = a.shape[0]
@@ -114,7 +116,8 @@ def budget_from_survival(a_two_steps_ago: np.ndarray, sps, draft_seconds: float 
     drafted = token_counts > num_requests
     step_seconds = np.where(drafted, (1.0 / rates + max(float(draft_seconds), 0.0)) * drafted_scale, 1.0 / rates)
     theta = (num_requests + best_extra) / step_seconds
-    theta[0] *= max(float(min_gain), 1.0)
+    if num_requests > 1:
+        theta[0] *= max(float(min_gain), 1.0)
     return int(np.argmax(theta))  # argmax returns the first (smallest K) maximum
 
 
