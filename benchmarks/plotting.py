@@ -11,7 +11,10 @@ def grouped_bars(ax, categories: list[str], series: dict[str, list[float]], font
         kept = [(j + i * width, v) for j, v in enumerate(values) if not math.isnan(v)]
         ax.bar([x for x, _ in kept], [v for _, v in kept], width, label=name)
     ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(categories))], categories, fontsize=fontsize)
-    ax.legend(fontsize=fontsize)
+    if len(series) > 4:  # many series: beside the axes, where it hides no bar
+        ax.legend(fontsize=fontsize, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=fontsize)
 
 
 def save_figure(fig, path) -> None:

@@ -188,7 +188,7 @@ def main(argv=None) -> None:
     import matplotlib.pyplot as plt
     from plotting import grouped_bars, save_figure
 
-    fig, ax = plt.subplots(figsize=(10, 4))
+    fig, ax = plt.subplots(figsize=(12, 4))  # room for the legend beside the bars
     grouped_bars(ax, datasets, {n: [tps[d][n] for d in datasets] for n in names})
     ax.set_ylabel("tokens/s, one request")
     ax.set_title(f"{args.model}: single stream per eval set ({args.max_tokens} tokens, greedy)")
