@@ -78,12 +78,14 @@ def cluster(tmp_path_factory, collector):
         # Any promised gain drafts (the bare two-step rule): this test is about the metrics of drafts.
         scheduler, s_addr = start_scheduler(tmp, [], metrics_port=ports["scheduler"], min_draft_gain=1.0)
         services += [drafter, scheduler]
-        # A draft every step: on the tiny target drafting never pays, and K = 0 would skip it. No prompt
-        # lookup: its blocks never reach the drafter, and every drafted step here must have a draft span.
+        # A draft every step, each verified whole (explore=1): on the tiny target drafting never pays,
+        # and once the scheduler says K = 0 a draft would be probed but not verified (a run on a busy
+        # host once saw drafts = 0 that way). No prompt lookup: its blocks never reach the drafter,
+        # and every drafted step here must have a draft span.
         # A 10 s drafter deadline: on a loaded CI host the first drafts can pass the helpers' 1 s, and
         # a generation without drafts has no draft metrics to check.
         verifier, v_addr = start_verifier(target, tmp, d_addr, s_addr, metrics_port=ports["verifier"],
-                                          draft_probe_every=1, lookup="off", drafter_timeout_s=10)
+                                          draft_probe_every=1, explore=1.0, lookup="off", drafter_timeout_s=10)
         services.append(verifier)
         for service, address in ((drafter, d_addr), (scheduler, s_addr), (verifier, v_addr)):
             wait_serving(address, service, timeout=120)
