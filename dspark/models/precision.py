@@ -119,6 +119,13 @@ class GgufBlocks:
         return cls(qtype, torch.from_numpy(np.ascontiguousarray(blocks)).reshape(weight.shape[0], -1))
 
 
+def approximate_in_blocks(linear: nn.Linear) -> None:
+    """Give a linear without GGUF blocks Q8_0 blocks of its weight (blocks hold 32 inputs: a
+    narrower one stays fp32), for modules whose matmuls need not be exact (a drafter's)."""
+    if getattr(linear, "gguf_blocks", None) is None and linear.in_features % 32 == 0:
+        linear.gguf_blocks = GgufBlocks.quantize(linear.weight)
+
+
 class GgufLinear(nn.Module):
     """y = x W^T + b, W in the GGUF's own blocks, fp32 math, batch-invariant (gguf_matmul.cpp)."""
 
@@ -280,8 +287,8 @@ def apply_precision(module: nn.Module, precision: str) -> str:
         # A drafter's matmuls decide only what is proposed, never what is accepted: Q8_0 blocks of
         # its weights, made now, put it on the same kernel at a quarter of fp32's bytes.
         for linear in module.modules():
-            if type(linear) is nn.Linear and getattr(linear, "gguf_blocks", None) is None and linear.in_features % 32 == 0:
-                linear.gguf_blocks = GgufBlocks.quantize(linear.weight)
+            if type(linear) is nn.Linear:
+                approximate_in_blocks(linear)
     if precision == "gguf" and not any(getattr(m, "gguf_blocks", None) is not None for m in module.modules()):
         return "fp32"  # nothing stored in blocks: every matmul stays fp32, say so
     for parent in list(module.modules()):
