@@ -21,6 +21,7 @@ greedy text (lossless), writes benchmarks/results/concurrency.{json,png}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -54,30 +55,38 @@ def eval_prompts(count: int, eval_dir: Path) -> list[str]:
     return [pools[i % len(pools)][i // len(pools)] for i in range(count)]
 
 
-def run_level(address: str, concurrency: int, prompts: list[str], per_client: int, max_tokens: int,
-              seconds: float = 0.0) -> dict:
-    """c clients, each sending `per_client` requests one after another, or as many as start within
-    `seconds` when that is > 0. Request i of client c uses prompt (c + i * concurrency) mod |prompts|."""
+def connected_clients(address: str, count: int) -> list:
+    """Clients connected before the clock starts, as a user's long-lived client is: a level
+    measures generation, not 16 TCP + HTTP/2 handshakes."""
     from dspark_client import Client, RetryPolicy
 
-    records, errors = [], []
-
-    # Connected clients before the clock starts, as a user's long-lived client is: the level
-    # measures generation, not 16 TCP + HTTP/2 handshakes.
-    clients = [Client(address, timeout=1800, retry=RetryPolicy(max_attempts=1)) for _ in range(concurrency)]
+    clients = [Client(address, timeout=1800, retry=RetryPolicy(max_attempts=1)) for _ in range(count)]
     for client in clients:
         client.list_models()
+    return clients
+
+
+def run_level(address: str, concurrency: int, prompts: list[str], per_client: int, max_tokens: int,
+              seconds: float = 0.0, stream_interval_ms: int | None = None, clients: list | None = None) -> dict:
+    """c clients, each sending `per_client` requests one after another, or as many as start within
+    `seconds` when that is > 0. Request i of client c uses prompt (c + i * concurrency) mod |prompts|.
+    Each request is the SDK's generate() (its stream chunked by stream_interval_ms, None = generate()'s
+    default). `clients`: c connected clients to use (and leave open), else made and closed here."""
+    records, errors = [], []
+    owned = clients is None
+    clients = connected_clients(address, concurrency) if owned else clients
 
     def client_loop(c: int) -> None:
-        with clients[c] as client:
+        with clients[c] if owned else contextlib.nullcontext(clients[c]) as client:
             for i in itertools.count():
                 if (time.perf_counter() >= deadline) if seconds > 0 else (i >= per_client):
                     return
                 index = (c + i * concurrency) % len(prompts)
                 start = time.perf_counter()
                 try:
+                    interval = {} if stream_interval_ms is None else {"stream_interval_ms": stream_interval_ms}
                     result = client.generate(messages=[{"role": "user", "content": prompts[index]}],
-                                             max_tokens=max_tokens, temperature=0.0)
+                                             max_tokens=max_tokens, temperature=0.0, **interval)
                 except Exception as error:  # reported after the level
                     errors.append(error)
                     return

@@ -5,17 +5,21 @@ text, in one run (issue 13: >= 0.9x in-process at c = 1, >= 0.95x at c = 16).
     python benchmarks/serving_path.py [--concurrency 1 16] [--max-tokens 64] [--rounds 3]
 
 A round at concurrency c: c requests at once (c client threads through the services; c sequences
-in one continuous batch in process), tokens/s = tokens / wall time. Rounds alternate which side
-goes first; the median round counts, and so does the median of the services / in-process ratio
-within each round pair (steadier on a host whose speed drifts). Also prints the verifier's own
-engine time per step (its Prometheus histogram), so the gap splits into engine work and
-everything around it.
+in one continuous batch in process), tokens/s = tokens / wall time. The services are measured
+twice: clients reading a chunk every engine step (stream_interval_ms 0, what a streaming UI asks
+for) and the SDK's generate() (the whole answer; its stream is chunked at most every 500 ms).
+Rounds rotate which side goes first; the median round counts, and so does the median of the
+services / in-process ratio within each round (steadier on a host whose speed drifts). Also
+prints the verifier's own engine time per step (its Prometheus histogram), so the gap splits into
+engine work and everything around it, and the CPU each hop spends a token (/proc times: the
+verifier's event loop thread, the scheduler process, the client threads of this process).
 Writes benchmarks/results/serving_path.{json,png}.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -41,11 +45,24 @@ def in_process_round(engine, prompt_ids: list[list[int]], max_tokens: int) -> di
     return dict(tps=sum(map(len, outputs)) / elapsed, outputs=outputs)
 
 
-def services_round(address: str, prompts: list[str], max_tokens: int) -> dict:
+def services_round(address: str, prompts: list[str], max_tokens: int, stream_interval_ms: int | None,
+                   clients: list | None = None) -> dict:
     from concurrency import run_level
 
-    row = run_level(address, len(prompts), prompts, 1, max_tokens)
+    row = run_level(address, len(prompts), prompts, 1, max_tokens, stream_interval_ms=stream_interval_ms,
+                    clients=clients)
     return dict(tps=row["total_tps"], outputs=[row["outputs"][i] for i in range(len(prompts))])
+
+
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """User + system CPU time of a process (all its threads), or of one of its threads."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# The services' sides: how the client reads its stream (generation.proto's stream_interval_ms).
+STREAM_MODES = {"services, a chunk every step": 0, "services, generate()": None}
 
 
 def engine_seconds(metrics_url: str) -> tuple[float, float]:
@@ -69,7 +86,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(OUT / "serving_path"))
     args = ap.parse_args(argv)
 
-    from concurrency import eval_prompts
+    from concurrency import connected_clients, eval_prompts
     from service_helpers import free_port, start_scheduler, start_verifier, wait_registered, wait_serving
 
     import torch
@@ -91,20 +108,28 @@ def main(argv=None) -> None:
     verifier, v_addr = start_verifier(args.model, log_dir, "", s_addr, max_batch=max(args.concurrency), max_len=1024,
                                       metrics_port=metrics_port, env={"OMP_NUM_THREADS": str(torch.get_num_threads())})
     results = {}
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
         for service, address in ((verifier, v_addr), (scheduler, s_addr)):
             wait_serving(address, service, timeout=900)
         wait_registered(s_addr, 1)
-        services_round(s_addr, prompts[:2], 8)  # first-call allocations, not measured
+        services_round(s_addr, prompts[:2], 8, None)  # first-call allocations, not measured
         in_process_round(engine, ids[:2], 8)
+        sides = ["in-process", *STREAM_MODES]
+        hops = {"verifier event loop": lambda: cpu_seconds(verifier.proc.pid, verifier.proc.pid),
+                "scheduler": lambda: cpu_seconds(scheduler.proc.pid),
+                "client": lambda: cpu_seconds(os.getpid())}
         for c in args.concurrency:
-            rounds = {"in-process": [], "services": []}
+            clients = connected_clients(s_addr, c)  # long-lived, as a user's: no handshakes in the rounds
+            rounds = {side: [] for side in sides}
             for r in range(args.rounds):
-                for side in (["in-process", "services"] if r % 2 == 0 else ["services", "in-process"]):
-                    if side == "services":
-                        before = engine_seconds(f"http://127.0.0.1:{metrics_port}/metrics")
-                        row = services_round(s_addr, prompts[:c], args.max_tokens)
-                        after = engine_seconds(f"http://127.0.0.1:{metrics_port}/metrics")
+                for side in sides[r % len(sides):] + sides[:r % len(sides)]:  # each side first in turn
+                    if side in STREAM_MODES:
+                        before, cpu_before = engine_seconds(metrics_url), {h: f() for h, f in hops.items()}
+                        row = services_round(s_addr, prompts[:c], args.max_tokens, STREAM_MODES[side], clients)
+                        after = engine_seconds(metrics_url)
+                        tokens = sum(map(len, row["outputs"]))
+                        row["cpu_ms_per_token"] = {h: 1e3 * (f() - cpu_before[h]) / tokens for h, f in hops.items()}
                         row["engine_step_ms"] = 1e3 * (after[0] - before[0]) / max(1.0, after[1] - before[1])
                         row["engine_steps"] = int(after[1] - before[1])
                     else:
@@ -113,29 +138,40 @@ def main(argv=None) -> None:
                         row["engine_steps"] = max(map(len, row["outputs"]))  # one token a step, all at once
                         row["engine_step_ms"] = 1e3 * (time.perf_counter() - started) / row["engine_steps"]
                     rounds[side].append(row)
-                    print(f"c={c:<3} round {r + 1}/{args.rounds} {side:10} {row['tps']:7.2f} tokens/s  "
+                    print(f"c={c:<3} round {r + 1}/{args.rounds} {side:30} {row['tps']:7.2f} tokens/s  "
                           f"engine {row['engine_steps']} steps, {row['engine_step_ms']:.1f} ms/step", flush=True)
-            same = rounds["in-process"][0]["outputs"] == rounds["services"][0]["outputs"]
+            for client in clients:
+                client.close()
+            reference = rounds["in-process"][0]["outputs"]
             median = {side: statistics.median(r["tps"] for r in rows) for side, rows in rounds.items()}
             step_ms = {side: statistics.median(r["engine_step_ms"] for r in rows) for side, rows in rounds.items()}
-            # This host's speed drifts by +-25% within minutes: the ratio of the two sides measured in
-            # the same round pair is steadier than the ratio of two medians taken apart.
-            pairs = [s["tps"] / i["tps"] for i, s in zip(rounds["in-process"], rounds["services"])]
-            results[c] = dict(in_process=median["in-process"], services=median["services"],
-                              ratio=median["services"] / median["in-process"], pair_ratio=statistics.median(pairs),
-                              pair_range=[min(pairs), max(pairs)], same_text=same,
-                              step_ms=step_ms, rounds={s: [r["tps"] for r in rows] for s, rows in rounds.items()})
+            modes = {}
+            for side in STREAM_MODES:
+                # This host's speed drifts by +-25% within minutes: the ratio of the two sides measured in
+                # the same round is steadier than the ratio of two medians taken apart.
+                pairs = [s["tps"] / i["tps"] for i, s in zip(rounds["in-process"], rounds[side])]
+                cpu = {h: statistics.median(r["cpu_ms_per_token"][h] for r in rounds[side]) for h in hops}
+                modes[side] = dict(tps=median[side], ratio=median[side] / median["in-process"],
+                                   pair_ratio=statistics.median(pairs), pair_range=[min(pairs), max(pairs)],
+                                   same_text=all(r["outputs"] == reference for r in rounds[side]),
+                                   cpu_ms_per_token=cpu, step_ms=step_ms[side], rounds=[r["tps"] for r in rounds[side]])
+            results[c] = dict(in_process=median["in-process"], step_ms=step_ms["in-process"],
+                              rounds=[r["tps"] for r in rounds["in-process"]], services=modes)
     finally:
         for service in (verifier, scheduler):
             service.terminate(30)
 
-    print("\n| concurrency | in-process tokens/s | services tokens/s | services / in-process | "
-          "per round pair: median (range) | same greedy text |")
-    print("|---|---|---|---|---|---|")
+    hop_names = list(next(iter(next(iter(results.values()))["services"].values()))["cpu_ms_per_token"])
+    print("\n| concurrency | side | tokens/s | / in-process | per round: median (range) | same greedy text | "
+          + " | ".join(f"CPU ms a token: {h}" for h in hop_names) + " |")
+    print("|---|---|---|---|---|---|" + "---|" * len(hop_names))
     for c, row in results.items():
-        low, high = row["pair_range"]
-        print(f"| {c} | {row['in_process']:.1f} | {row['services']:.1f} | {row['ratio']:.2f}x | "
-              f"{row['pair_ratio']:.2f}x ({low:.2f}-{high:.2f}) | {row['same_text']} |")
+        print(f"| {c} | in-process | {row['in_process']:.1f} | 1.00x | | True |" + " |" * len(hop_names))
+        for side, mode in row["services"].items():
+            low, high = mode["pair_range"]
+            print(f"| {c} | {side} | {mode['tps']:.1f} | {mode['ratio']:.2f}x | {mode['pair_ratio']:.2f}x "
+                  f"({low:.2f}-{high:.2f}) | {mode['same_text']} | "
+                  + " | ".join(f"{mode['cpu_ms_per_token'][h]:.3f}" for h in hop_names) + " |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(dict(max_tokens=args.max_tokens, results=results), indent=2))
@@ -146,10 +182,16 @@ def main(argv=None) -> None:
     import matplotlib.pyplot as plt
     from plotting import grouped_bars, save_figure
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    grouped_bars(ax, [f"c = {c}" for c in results], {"in-process": [r["in_process"] for r in results.values()],
-                                                      "services": [r["services"] for r in results.values()]})
-    ax.set_ylabel("tokens/s"), ax.set_title("plain decoding: through the services vs in process")
+    fig, (rate, cpu) = plt.subplots(1, 2, figsize=(11, 4))
+    series = {"in-process": [r["in_process"] for r in results.values()]}
+    for side in STREAM_MODES:
+        series[side] = [r["services"][side]["tps"] for r in results.values()]
+    grouped_bars(rate, [f"c = {c}" for c in results], series)
+    rate.set_ylabel("tokens/s"), rate.set_title("plain decoding: through the services vs in process")
+    grouped_bars(cpu, [f"c = {c}\n{side.removeprefix('services, ')}" for c in results for side in STREAM_MODES],
+                 {h: [r["services"][side]["cpu_ms_per_token"][h] for r in results.values() for side in STREAM_MODES]
+                  for h in hop_names})
+    cpu.set_ylabel("ms of CPU a token"), cpu.set_title("what each hop costs")
     save_figure(fig, out.with_suffix(".png"))
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from dspark_client.request import COLLECTED_STREAM_INTERVAL_MS
+
 from .errors import bad_request
 
 MAX_SEED = 2**64 - 1  # SamplingParams.seed is a uint64
@@ -76,6 +78,8 @@ def _plan(kind: str, body: dict, prompts: list[dict], limit_field: str, max_n: i
         "stop": _stop(body.get("stop")),
         "speculation": not disable,
         "max_draft_tokens": max_draft,
+        # A whole response needs no per-step chunks upstream (dspark_client.generate()'s interval).
+        "stream_interval_ms": 0 if stream else COLLECTED_STREAM_INTERVAL_MS,
     }
     _string(body, "user", "")  # only checked: it names the end user for abuse tracking, nothing to do here
     choices = []

@@ -44,6 +44,58 @@ def test_text_stream_resumes_after_already_streamed_text():
     assert stream.push([3]) == (" c", False)
 
 
+class CancelRecorder:
+    """The engine runner as ActiveRequest sees it: only cancel(), recorded."""
+
+    def __init__(self):
+        self.cancelled = []
+
+    def cancel(self, job) -> None:
+        self.cancelled.append(job)
+
+
+def active_request(interval_s: float, stop=()):
+    from types import SimpleNamespace
+
+    from opentelemetry.trace import INVALID_SPAN
+
+    from verifier_svc.service import ActiveRequest
+
+    job = SimpleNamespace(seq=SimpleNamespace(spec=SimpleNamespace(metrics=None)))
+    return ActiveRequest(CancelRecorder(), job, "r1", TextStream(decode, stop=list(stop)), 0, 3, None, 0.0,
+                         INVALID_SPAN, interval_s)
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 3600.0])
+def test_held_chunks_carry_every_token_once_and_never_hold_the_first_or_the_last(interval_s):
+    from dspark.proto_gen.v1 import generation_pb2 as pb
+    from verifier_svc.runner import Event
+
+    active = active_request(interval_s)
+    events = [Event([0]), Event([1, 3]), Event([0]), Event([1], "length")]
+    sent = [c for c in map(active.chunk, events) if c is not None]
+    assert active.done
+    assert [t for c in sent for t in c.token_ids] == [0, 1, 3, 0, 1]
+    assert "".join(c.text for c in sent) == "a b c a b"
+    assert [c.offset for c in sent] == [0, *(sum(len(c.token_ids) for c in sent[:i]) for i in range(1, len(sent)))]
+    assert sent[0].token_ids == [0] and sent[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert sent[-1].metrics.generated_tokens == 5
+    assert len(sent) == (4 if interval_s == 0 else 2)  # an hour's interval: the first chunk, then the last
+
+
+def test_a_stop_string_in_held_tokens_ends_the_request_at_once():
+    from dspark.proto_gen.v1 import generation_pb2 as pb
+    from verifier_svc.runner import Event
+
+    active = active_request(3600.0, stop=["STOP"])
+    assert active.chunk(Event([0])).token_ids == [0]
+    assert active.chunk(Event([1])) is None  # held
+    last = active.chunk(Event([2, 3]))  # the stop string: sent now, the engine told to stop
+    assert active.done and active.runner.cancelled == [active.job]
+    assert list(last.token_ids) == [1, 2] and last.offset == 1 and last.text == " b "
+    assert last.finish_reason == pb.FINISH_REASON_STOP
+
+
 def test_choose_picks_the_least_loaded_verifier_with_room():
     records = [dict(address="a", running=3, queued=0, max_batch=4), dict(address="b", running=1, queued=1, max_batch=4),
                dict(address="c", running=4, queued=0, max_batch=4)]

@@ -120,7 +120,8 @@ class VerifierCore:
                                  "dspark.resumed_tokens": len(streamed), "dspark.max_tokens": params.max_tokens})
         text = TextStream(self.tokenizer.decode, list(request.stop), streamed,
                           resume.streamed_text if resume is not None else "")
-        active = ActiveRequest(self.runner, job, req_id, text, len(streamed), len(prompt), prior, started, span)
+        active = ActiveRequest(self.runner, job, req_id, text, len(streamed), len(prompt), prior, started, span,
+                               request.stream_interval_ms / 1e3)
         self.runner.submit(job)
         return active
 
@@ -137,7 +138,9 @@ class VerifierCore:
                 return
             try:
                 while not active.done:
-                    yield active.chunk(await active.job.events.get())
+                    chunk = active.chunk(await active.job.events.get())
+                    if chunk is not None:
+                        yield chunk
             finally:
                 active.abandon()
 
@@ -203,7 +206,9 @@ class VerifierCore:
                         batch.chunks.append(item)
                     elif key in active:  # else cancelled after the engine sent this
                         request = active[key]
-                        batch.chunks.add(key=key).chunk.CopyFrom(request.chunk(item))
+                        chunk = request.chunk(item)
+                        if chunk is not None:
+                            batch.chunks.add(key=key, chunk=chunk)
                         if request.done:
                             del active[key]
                             request.span.end()
@@ -257,20 +262,37 @@ class ActiveRequest:
     """An admitted request: its engine job, and the text and offset its chunks carry on."""
 
     def __init__(self, runner, job: Job, req_id: str, text: TextStream, offset: int, prompt_len: int,
-                 prior: pb.SpecMetrics | None, started: float, span):
+                 prior: pb.SpecMetrics | None, started: float, span, interval_s: float = 0.0):
         self.runner, self.job, self.req_id, self.text = runner, job, req_id, text
         self.offset, self.prompt_len, self.prior, self.started, self.span = offset, prompt_len, prior, started, span
+        self.interval_s = interval_s  # the request's stream_interval_ms
+        self.unsent: list[int] = []  # tokens of held events not decoded yet (no stop strings to check)
+        self.held: pb.GenerateChunk | None = None  # decoded tokens not sent yet
+        self.last_sent: float | None = None
         self.done = False
 
-    def chunk(self, event) -> pb.GenerateChunk:
-        """The chunk for one engine event; sets `done` on the last one."""
-        delta, stop_hit = self.text.push(event.tokens, final=event.finish is not None)
-        # A stop string inside an accepted burst: the tokens after it are not part of the output.
-        tokens = event.tokens[:len(event.tokens) - self.text.overshoot] if stop_hit else event.tokens
-        chunk = pb.GenerateChunk(request_id=self.req_id, token_ids=tokens, text=delta, offset=self.offset)
+    def chunk(self, event) -> pb.GenerateChunk | None:
+        """The chunk to send after one engine event, or None while its tokens are held (at most
+        one chunk per interval; the first and the last are never held). Sets `done` on the last.
+        With stop strings every event's text is checked at once, so a stop ends the request when
+        it is hit; without, held tokens are decoded once, when their chunk goes."""
+        final = event.finish is not None
+        self.unsent.extend(event.tokens)
+        due = final or self.last_sent is None or time.monotonic() - self.last_sent >= self.interval_s
+        if not due and not self.text.stop:
+            return None
+        tokens, self.unsent = self.unsent, []
+        delta, stop_hit = self.text.push(tokens, final=final)
+        if stop_hit:  # a stop string inside an accepted burst: the tokens after it are not output
+            tokens = tokens[:len(tokens) - self.text.overshoot]
+        if self.held is None:
+            self.held = pb.GenerateChunk(request_id=self.req_id, offset=self.offset)
+        chunk = self.held
+        chunk.token_ids.extend(tokens)
+        chunk.text += delta
         self.offset += len(tokens)
         metrics.GENERATED_TOKENS.inc(len(tokens))
-        if stop_hit and event.finish is None:
+        if stop_hit and not final:
             self.runner.cancel(self.job)
         if event.finish is not None or stop_hit:
             self.done = True
@@ -284,6 +306,9 @@ class ActiveRequest:
                                       "dspark.finish_reason": pb.FinishReason.Name(chunk.finish_reason),
                                       "dspark.draft_tokens": chunk.metrics.draft_tokens,
                                       "dspark.accepted_tokens": chunk.metrics.accepted_tokens})
+        if not (due or self.done):
+            return None
+        self.held, self.last_sent = None, time.monotonic()
         return chunk
 
     def abandon(self) -> None:

@@ -9,7 +9,7 @@ from .attempts import Attempts
 from .channel import TlsConfig, open_aio_channel
 from .proto_gen.v1 import generation_pb2 as pb
 from .replicas import Replicas
-from .request import build_request
+from .request import COLLECTED_STREAM_INTERVAL_MS, build_request
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .types import Chunk, GenerationResult, collect
 
@@ -50,6 +50,7 @@ class AsyncClient:
             await asyncio.sleep(delay)
 
     async def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+        kwargs.setdefault("stream_interval_ms", COLLECTED_STREAM_INTERVAL_MS)
         return collect([chunk async for chunk in self.generate_stream(prompt, **kwargs)])
 
     async def list_models(self, *, timeout: float | None = None) -> list[pb.ModelInfo]:

@@ -9,7 +9,7 @@ from .attempts import Attempts
 from .channel import TlsConfig, open_channel
 from .proto_gen.v1 import generation_pb2 as pb
 from .replicas import Replicas
-from .request import build_request
+from .request import COLLECTED_STREAM_INTERVAL_MS, build_request
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .types import Chunk, GenerationResult, collect
 
@@ -55,6 +55,7 @@ class Client:
             time.sleep(delay)
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+        kwargs.setdefault("stream_interval_ms", COLLECTED_STREAM_INTERVAL_MS)
         return collect(self.generate_stream(prompt, **kwargs))
 
     def list_models(self, *, timeout: float | None = None) -> list[pb.ModelInfo]:

@@ -22,9 +22,11 @@ def build_request(
     speculation: bool = True,
     max_draft_tokens: int = 0,
     request_id: str = "",
+    stream_interval_ms: int = 0,
 ) -> pb.GenerateRequest:
     """Exactly one of prompt / messages / token_ids. Zeros mean "server default" or "off"
-    as generation.proto documents (temperature 0 = greedy, top_k 0 = no top-k)."""
+    as generation.proto documents (temperature 0 = greedy, top_k 0 = no top-k; stream_interval_ms
+    0 = a chunk every engine step)."""
     given = [name for name, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
              if value is not None]
     if len(given) != 1:
@@ -39,6 +41,7 @@ def build_request(
         stop=list(stop),
         stop_token_ids=list(stop_token_ids),
         speculation=pb.SpeculationOverride(disable=not speculation, max_draft_tokens=max_draft_tokens),
+        stream_interval_ms=stream_interval_ms,
     )
     if prompt is not None:
         request.text = prompt
@@ -50,6 +53,11 @@ def build_request(
             m = m if isinstance(m, ChatMessage) else ChatMessage(m["role"], m["content"])
             request.messages.messages.add(role=m.role, content=m.content)
     return request
+
+
+# generate() reads the whole answer, so its stream need not carry every step: tokens come in
+# chunks at most this often (the first at once), which saves each hop its per-chunk work.
+COLLECTED_STREAM_INTERVAL_MS = 500
 
 
 class Received:

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64spark/v1/generation.proto\x12\tdspark.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.dspark.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"@\n\x13SpeculationOverride\x12\x0f\n\x07\x64isable\x18\x01 \x01(\x08\x12\x18\n\x10max_draft_tokens\x18\x02 \x01(\r\"A\n\x0cStreamResume\x12\x1a\n\x12streamed_token_ids\x18\x01 \x03(\x03\x12\x15\n\rstreamed_text\x18\x02 \x01(\t\"\xea\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.dspark.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x05 \x01(\x0b\x32\x17.dspark.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12\x33\n\x0bspeculation\x18\n \x01(\x0b\x32\x1e.dspark.v1.SpeculationOverride\x12\'\n\x06resume\x18\x0b \x01(\x0b\x32\x17.dspark.v1.StreamResumeB\x08\n\x06prompt\"\xd7\x01\n\x0bSpecMetrics\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x04\x12\r\n\x05steps\x18\x03 \x01(\x04\x12\x0e\n\x06\x64rafts\x18\x04 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\x04\x12\x0b\n\x03tau\x18\x07 \x01(\x01\x12\x1d\n\x15verified_per_position\x18\x08 \x03(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\t \x03(\x04\"\xbc\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.dspark.v1.FinishReason\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\'\n\x07metrics\x18\x07 \x01(\x0b\x32\x16.dspark.v1.SpecMetrics\"\x13\n\x11ListModelsRequest\"U\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\r\n\x05gamma\x18\x03 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.dspark.v1.ModelInfo*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\x9b\x01\n\nGeneration\x12\x42\n\x08Generate\x12\x1a.dspark.v1.GenerateRequest\x1a\x18.dspark.v1.GenerateChunk0\x01\x12I\n\nListModels\x12\x1c.dspark.v1.ListModelsRequest\x1a\x1d.dspark.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64spark/v1/generation.proto\x12\tdspark.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.dspark.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"@\n\x13SpeculationOverride\x12\x0f\n\x07\x64isable\x18\x01 \x01(\x08\x12\x18\n\x10max_draft_tokens\x18\x02 \x01(\r\"A\n\x0cStreamResume\x12\x1a\n\x12streamed_token_ids\x18\x01 \x03(\x03\x12\x15\n\rstreamed_text\x18\x02 \x01(\t\"\x86\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.dspark.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x05 \x01(\x0b\x32\x17.dspark.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12\x33\n\x0bspeculation\x18\n \x01(\x0b\x32\x1e.dspark.v1.SpeculationOverride\x12\'\n\x06resume\x18\x0b \x01(\x0b\x32\x17.dspark.v1.StreamResume\x12\x1a\n\x12stream_interval_ms\x18\x0c \x01(\rB\x08\n\x06prompt\"\xd7\x01\n\x0bSpecMetrics\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x04\x12\r\n\x05steps\x18\x03 \x01(\x04\x12\x0e\n\x06\x64rafts\x18\x04 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\x04\x12\x0b\n\x03tau\x18\x07 \x01(\x01\x12\x1d\n\x15verified_per_position\x18\x08 \x03(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\t \x03(\x04\"\xbc\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.dspark.v1.FinishReason\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\'\n\x07metrics\x18\x07 \x01(\x0b\x32\x16.dspark.v1.SpecMetrics\"\x13\n\x11ListModelsRequest\"U\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\r\n\x05gamma\x18\x03 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.dspark.v1.ModelInfo*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\x9b\x01\n\nGeneration\x12\x42\n\x08Generate\x12\x1a.dspark.v1.GenerateRequest\x1a\x18.dspark.v1.GenerateChunk0\x01\x12I\n\nListModels\x12\x1c.dspark.v1.ListModelsRequest\x1a\x1d.dspark.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dspark.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1343
-  _globals['_FINISHREASON']._serialized_end=1492
+  _globals['_FINISHREASON']._serialized_start=1371
+  _globals['_FINISHREASON']._serialized_end=1520
   _globals['_CHATMESSAGE']._serialized_start=41
   _globals['_CHATMESSAGE']._serialized_end=85
   _globals['_CHATMESSAGES']._serialized_start=87
@@ -46,17 +46,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMRESUME']._serialized_start=333
   _globals['_STREAMRESUME']._serialized_end=398
   _globals['_GENERATEREQUEST']._serialized_start=401
-  _globals['_GENERATEREQUEST']._serialized_end=763
-  _globals['_SPECMETRICS']._serialized_start=766
-  _globals['_SPECMETRICS']._serialized_end=981
-  _globals['_GENERATECHUNK']._serialized_start=984
-  _globals['_GENERATECHUNK']._serialized_end=1172
-  _globals['_LISTMODELSREQUEST']._serialized_start=1174
-  _globals['_LISTMODELSREQUEST']._serialized_end=1193
-  _globals['_MODELINFO']._serialized_start=1195
-  _globals['_MODELINFO']._serialized_end=1280
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1282
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1340
-  _globals['_GENERATION']._serialized_start=1495
-  _globals['_GENERATION']._serialized_end=1650
+  _globals['_GENERATEREQUEST']._serialized_end=791
+  _globals['_SPECMETRICS']._serialized_start=794
+  _globals['_SPECMETRICS']._serialized_end=1009
+  _globals['_GENERATECHUNK']._serialized_start=1012
+  _globals['_GENERATECHUNK']._serialized_end=1200
+  _globals['_LISTMODELSREQUEST']._serialized_start=1202
+  _globals['_LISTMODELSREQUEST']._serialized_end=1221
+  _globals['_MODELINFO']._serialized_start=1223
+  _globals['_MODELINFO']._serialized_end=1308
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1310
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1368
+  _globals['_GENERATION']._serialized_start=1523
+  _globals['_GENERATION']._serialized_end=1678
 # @@protoc_insertion_point(module_scope)

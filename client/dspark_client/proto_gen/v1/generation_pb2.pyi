@@ -69,7 +69,7 @@ class StreamResume(_message.Message):
     def __init__(self, streamed_token_ids: _Optional[_Iterable[int]] = ..., streamed_text: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "sampling", "max_tokens", "stop", "stop_token_ids", "speculation", "resume")
+    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "sampling", "max_tokens", "stop", "stop_token_ids", "speculation", "resume", "stream_interval_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class GenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -92,7 +93,8 @@ class GenerateRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     speculation: SpeculationOverride
     resume: StreamResume
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationOverride, _Mapping]] = ..., resume: _Optional[_Union[StreamResume, _Mapping]] = ...) -> None: ...
+    stream_interval_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationOverride, _Mapping]] = ..., resume: _Optional[_Union[StreamResume, _Mapping]] = ..., stream_interval_ms: _Optional[int] = ...) -> None: ...
 
 class SpecMetrics(_message.Message):
     __slots__ = ("prompt_tokens", "generated_tokens", "steps", "drafts", "draft_tokens", "accepted_tokens", "tau", "verified_per_position", "accepted_per_position")
