@@ -130,6 +130,7 @@ async def test_async_generate_returns_result_and_sends_every_parameter():
     assert sent.sampling.top_k == 20 and sent.sampling.HasField("seed") and sent.sampling.seed == 0
     assert list(sent.stop) == ["\n\n"] and list(sent.stop_token_ids) == [2]
     assert not sent.speculation.disable and sent.speculation.max_draft_tokens == 4
+    assert sent.stream_interval_ms == 500  # generate(): the whole answer, chunked upstream
     assert fake.metadata[0]["tenant"] == "t1" and fake.metadata[0]["traceparent"] == "00-abc-def-01"
     assert [model.name for model in models] == ["smollm2-135m"]
 
@@ -151,6 +152,8 @@ async def test_sync_client_streams_chat_and_token_prompts():
     assert sent == [("system", "be brief"), ("user", "hi there")]
     assert tokens.text == "t5 " and tokens.finish_reason == FinishReason.LENGTH
     assert list(fake.requests[1].token_ids.ids) == [5, 6] and fake.requests[1].speculation.disable
+    # A stream asks for every step's chunk; generate() reads the whole answer and lets tokens gather.
+    assert fake.requests[0].stream_interval_ms == 0 and fake.requests[1].stream_interval_ms == 500
 
 
 def test_request_needs_exactly_one_prompt_kind():

@@ -101,6 +101,34 @@ def test_fused_layers_compute_what_the_layer_modules_do(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def random_gguf_blocks(out_features: int, in_features: int, qtype: int, seed: int = 0) -> torch.Tensor:
+    """[out, row bytes] uint8 rows of GGUF blocks: Q4_1 (fp16 d, fp16 m, 16 nibble bytes) or
+    Q8_0 (fp16 d, 32 int8), random quants, small finite scales."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = out_features * in_features // 32
+    scales = (torch.rand(blocks, 2, generator=g) * 0.02 - 0.01).half().view(torch.uint8).reshape(blocks, 4)
+    if qtype == 3:
+        quants = torch.randint(0, 256, (blocks, 16), generator=g, dtype=torch.uint8)
+        return torch.cat([scales, quants], 1).reshape(out_features, -1)
+    quants = torch.randint(0, 256, (blocks, 32), generator=g, dtype=torch.uint8)
+    return torch.cat([scales[:, :2], quants], 1).reshape(out_features, -1)
+
+
+@pytest.mark.skipif(ops is None or not hasattr(ops, "gguf_linear"), reason="no gguf kernel on this CPU")
+@pytest.mark.parametrize("qtype", [3, 8])
+def test_gguf_linear_is_the_dequantized_matmul_and_each_row_the_same_at_any_row_count(qtype):
+    """x W^T against fp64 on the dequantized weights; and row i's bits are the same alone as in
+    any batch: row counts 1..9 cover every grouping of rows the kernel makes (4 or 2, then 1)."""
+    blocks = random_gguf_blocks(37, 96, qtype)  # 37 outputs: full tiles of 4 and a partial one
+    weight = ops.gguf_dequantize(blocks, qtype, 96)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(1))
+    y = ops.gguf_linear(x, blocks, qtype)
+    torch.testing.assert_close(y, (x.double() @ weight.double().T).float(), rtol=1e-5, atol=1e-5)
+    for rows in range(1, 10):
+        for start in range(0, 10 - rows):
+            assert torch.equal(ops.gguf_linear(x[start:start + rows], blocks, qtype), y[start:start + rows])
+
+
 def test_bad_calls_get_clear_errors():
     kc = vc = torch.zeros(2, 1, 16, 8)
     q = torch.zeros(1, 2, 8)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 from dspark_client import Chunk, FinishReason, SpecMetrics
+from dspark_client.request import COLLECTED_STREAM_INTERVAL_MS
 
 from gateway_svc import openai_response as out
 from gateway_svc.auth import check_authorization, configured_keys
@@ -30,12 +31,14 @@ def test_chat_fields_map_to_sdk_arguments_one_set_per_choice():
     assert p["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
     assert (p["max_tokens"], p["temperature"], p["top_p"], p["top_k"], p["stop"]) == (7, 0.5, 0.9, 0, ["END"])
     assert (p["speculation"], p["max_draft_tokens"]) == (False, 2)
+    assert p["stream_interval_ms"] == 0  # streamed to the caller: a chunk every step upstream
 
 
 def test_defaults_are_openais_and_the_servers():
     p = parse_chat({"messages": USER}, max_n=16).choices[0].params
     assert (p["temperature"], p["top_p"], p["top_k"], p["seed"], p["max_tokens"], p["stop"]) == (1.0, 1.0, 0, None, 0, [])
     assert (p["speculation"], p["max_draft_tokens"], p["model"]) == (True, 0, "")
+    assert p["stream_interval_ms"] == COLLECTED_STREAM_INTERVAL_MS  # a whole response: chunked upstream
 
 
 def test_completion_prompts_each_get_n_choices_in_openais_order():

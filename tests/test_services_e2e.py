@@ -62,3 +62,16 @@ def test_seeded_sampling_is_reproducible(cluster):
     assert first.text == second.text and first.token_ids == second.token_ids
     assert len(first.token_ids) == 32 and first.metrics.draft_tokens > 0
     assert other.token_ids != first.token_ids  # the seed does matter
+
+
+def test_a_stream_interval_sends_the_same_tokens_in_fewer_chunks(cluster):
+    """stream_interval_ms crosses the scheduler to the verifier: an hour's interval gives the first
+    chunk and the last one, with every token of the stream that had a chunk each step."""
+    request = dict(messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=32)
+    every_step = StreamThread(cluster, **request)
+    every_step_result = every_step.result(timeout=600)
+    held = StreamThread(cluster, stream_interval_ms=3_600_000, **request)
+    held_result = held.result(timeout=600)
+    assert held_result.token_ids == every_step_result.token_ids and held_result.text == every_step_result.text
+    assert len(held.chunks) == 2 < len(every_step.chunks)
+    assert held.chunks[0].offset == 0 and held.chunks[1].offset == len(held.chunks[0].token_ids)
