@@ -243,8 +243,8 @@ def main(argv=None) -> None:
     for i, c in enumerate(args.concurrency):
         cells = [f"{results[n][i]['total_tps']:8.2f} ({results[n][i]['per_request_tps']:5.2f})" for n in names]
         print(f"{c:>11} " + " ".join(f"{cell:>18}" for cell in cells))
-    if "scheduler" in results:
-        others = [n for n in names if n != "scheduler"]
+    others = [n for n in names if n != "scheduler"]
+    if "scheduler" in results and others:
         print("\nscheduler / best other, scheduler / no speculation (total tokens/s):")
         for i, c in enumerate(args.concurrency):
             sched = results["scheduler"][i]["total_tps"]

@@ -49,6 +49,25 @@ def test_sps_ema_and_dict_round_trip():
         table.observe(3, 0.0)
 
 
+def test_profile_points_follow_the_live_level_so_a_stale_one_never_makes_more_tokens_look_cheaper():
+    """Serving, B = 16 took 3x its profile time; B = 24 was never seen live. Interpolating between
+    live 16 (87 ms) and the stale profile 32 (43 ms) made 24 tokens cheaper than 16, and verifying
+    prompt lookup's guesses looked like a gain at 16 requests. The profile's points now follow
+    the live level, and the same guesses are not worth their cost."""
+    table = SpsTable()
+    table.set_profile({8: 0.025, 16: 0.029, 32: 0.043})
+    for _ in range(30):
+        table.observe(16, 0.087)
+    assert table.level == pytest.approx(0.087 / 0.029)
+    assert table.seconds(16) == pytest.approx(0.087) and table.seconds(32) == pytest.approx(0.043 * table.level)
+    assert table.seconds(24) > table.seconds(16) and table.seconds(8) == pytest.approx(0.025 * table.level)
+    survival = np.zeros((16, 7))
+    survival[:8, 0] = 0.6  # 8 requests with a one-token guess at 60%
+    assert budget_from_survival(survival, table, min_gain=1.3) == 0
+    stale = SpsTable({8: 0.025, 16: 0.087, 32: 0.043})  # a live 16 beside profile points as measured
+    assert budget_from_survival(survival, stale, min_gain=1.3) > 0
+
+
 # ---------------------------------------------------------------- Algorithm 1
 
 

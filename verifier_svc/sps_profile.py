@@ -89,9 +89,10 @@ class LiveSps:
                 self.table.observe(tokens, seconds)
 
     def update(self, table: SpsTable) -> None:
-        """Take every point a profile measured (the warm-up's), replacing what was there."""
+        """Take every point a profile measured (the warm-up's), replacing what was there; live
+        steps then set their level (SpsTable.set_profile)."""
         with self._lock:
-            self.table.seconds_by_tokens.update(table.seconds_by_tokens)
+            self.table.set_profile(table.seconds_by_tokens)
 
     def __call__(self, tokens):
         with self._lock:

@@ -16,6 +16,13 @@ Interpolation is "monotone-safe":
 - above the largest measured B we assume the time per token stays what it was there
   (seconds grow proportionally to B), so SPS keeps falling and the scheduler is never
   lured into an unmeasured region by an optimistic guess.
+
+A profile measured before serving (`set_profile`: short contexts, an idle host) gives the
+shape of the curve but not its level under load: serving 16 long requests, a live step at
+B = 16 took 3x its profile time, while B = 23, seen only when prompt lookup's drafts are
+verified, kept its profile time, and interpolating between the two made 23 tokens look cheaper
+than 16. So every B not yet observed live answers profile(B) x level, where level tracks the
+live steps' seconds / profile(B).
 """
 
 from __future__ import annotations
@@ -32,6 +39,17 @@ class SpsTable:
         for tokens, seconds in (seconds_by_tokens or {}).items():
             self._check(tokens, seconds)
             self.seconds_by_tokens[int(tokens)] = float(seconds)
+        self.profile: dict[int, float] = {}  # set_profile's points, as measured
+        self.live: set[int] = set()  # B observed in live steps since the profile
+        self.level = 1.0  # live seconds / profile seconds, an EMA over live steps
+
+    def set_profile(self, seconds_by_tokens: dict[int, float]) -> None:
+        """Points measured before serving: their shape is kept, their level follows live steps."""
+        for tokens, seconds in seconds_by_tokens.items():
+            self._check(tokens, seconds)
+        self.profile = {int(b): float(s) for b, s in seconds_by_tokens.items()}
+        self.live, self.level = set(), 1.0
+        self.seconds_by_tokens.update(self.profile)
 
     @staticmethod
     def _check(tokens, seconds) -> None:
@@ -54,9 +72,17 @@ class SpsTable:
         return cls(table, ema_weight)
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """Fold one live step into its bucket (a new B starts its own bucket)."""
+        """Fold one live step into its bucket (a new B starts its own bucket), and the profile's
+        points not observed live yet to the live level."""
         self._check(tokens, seconds)
         tokens = int(tokens)
+        if self.profile:
+            ratio = seconds / _interpolate(self.profile, tokens)
+            self.level = ratio if not self.live else (1.0 - self.ema_weight) * self.level + self.ema_weight * ratio
+            for b, profiled in self.profile.items():
+                if b not in self.live:  # this step's B too, the first time: its bucket starts at the level
+                    self.seconds_by_tokens[b] = profiled * self.level
+            self.live.add(tokens)
         old = self.seconds_by_tokens.get(tokens)
         if old is None:
             self.seconds_by_tokens[tokens] = float(seconds)
@@ -67,13 +93,7 @@ class SpsTable:
         """Step time at B tokens (scalar or array of B)."""
         if not self.seconds_by_tokens:
             raise ValueError("SPS table is empty")
-        known_b = np.array(sorted(self.seconds_by_tokens), dtype=np.float64)
-        known_s = np.array([self.seconds_by_tokens[int(b)] for b in known_b])
-        b = np.asarray(tokens, dtype=np.float64)
-        inside = np.interp(b, known_b, known_s)  # np.interp clamps to the end values outside
-        beyond = known_s[-1] * b / known_b[-1]
-        result = np.where(b > known_b[-1], beyond, inside)
-        return float(result) if result.ndim == 0 else result
+        return _interpolate(self.seconds_by_tokens, tokens)
 
     def __call__(self, tokens):
         """SPS(B): steps per second at B tokens (scalar or array of B)."""
@@ -90,3 +110,14 @@ class SpsTable:
     def from_dict(cls, data: dict) -> SpsTable:
         table = {int(b): float(s) for b, s in data["seconds_by_tokens"].items()}
         return cls(table, float(data.get("ema_weight", 0.1)))
+
+
+def _interpolate(seconds_by_tokens: dict[int, float], tokens):
+    """Seconds at B by the monotone-safe rules above (scalar or array of B)."""
+    known_b = np.array(sorted(seconds_by_tokens), dtype=np.float64)
+    known_s = np.array([seconds_by_tokens[int(b)] for b in known_b])
+    b = np.asarray(tokens, dtype=np.float64)
+    inside = np.interp(b, known_b, known_s)  # np.interp clamps to the end values outside
+    beyond = known_s[-1] * b / known_b[-1]
+    result = np.where(b > known_b[-1], beyond, inside)
+    return float(result) if result.ndim == 0 else result
