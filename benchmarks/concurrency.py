@@ -13,8 +13,9 @@ over the stacks in rotating order and keeps each stack's median round. A round i
 threads, each sending requests one after another for `--seconds` (closed loop; a request
 started before the deadline runs to its end), so a level measures a steady load over many
 prompts rather than one batch whose slowest request decides the wall time (`--seconds 0`: one
-request per client). Greedy, prompts from datasets/eval (first turns), each client walking
-through them from its own offset. The drafter is the
+request per client). Each request is the SDK's generate(), whose stream is chunked at most
+every 500 ms (stream_interval_ms). Greedy, prompts from datasets/eval (first turns), each client
+walking through them from its own offset. The drafter is the
 shipped DSpark checkpoint. Prints the table, checks that every configuration produced the same
 greedy text (lossless), writes benchmarks/results/concurrency.{json,png}.
 """
