@@ -76,6 +76,7 @@ def run_level(address: str, concurrency: int, prompts: list[str], per_client: in
     records, errors = [], []
     owned = clients is None
     clients = connected_clients(address, concurrency) if owned else clients
+    interval = {} if stream_interval_ms is None else {"stream_interval_ms": stream_interval_ms}
 
     def client_loop(c: int) -> None:
         with clients[c] if owned else contextlib.nullcontext(clients[c]) as client:
@@ -85,7 +86,6 @@ def run_level(address: str, concurrency: int, prompts: list[str], per_client: in
                 index = (c + i * concurrency) % len(prompts)
                 start = time.perf_counter()
                 try:
-                    interval = {} if stream_interval_ms is None else {"stream_interval_ms": stream_interval_ms}
                     result = client.generate(messages=[{"role": "user", "content": prompts[index]}],
                                              max_tokens=max_tokens, temperature=0.0, **interval)
                 except Exception as error:  # reported after the level

@@ -161,7 +161,7 @@ def main(argv=None) -> None:
         for service in (verifier, scheduler):
             service.terminate(30)
 
-    hop_names = list(next(iter(next(iter(results.values()))["services"].values()))["cpu_ms_per_token"])
+    hop_names = list(hops)
     print("\n| concurrency | side | tokens/s | / in-process | per round: median (range) | same greedy text | "
           + " | ".join(f"CPU ms a token: {h}" for h in hop_names) + " |")
     print("|---|---|---|---|---|---|" + "---|" * len(hop_names))

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from dspark.kernels.cpu import kernels
 from dspark.models.batch import VarlenBatch
 from dspark.models.layers import Rotary, apply_rope, rope_tables
+from dspark.models.precision import has_gguf_matmul
 from tests.spec_helpers import tiny_target
 
 ops = kernels()
@@ -114,7 +115,7 @@ def random_gguf_blocks(out_features: int, in_features: int, qtype: int, seed: in
     return torch.cat([scales[:, :2], quants], 1).reshape(out_features, -1)
 
 
-@pytest.mark.skipif(ops is None or not hasattr(ops, "gguf_linear"), reason="no gguf kernel on this CPU")
+@pytest.mark.skipif(not has_gguf_matmul(), reason="no AVX2/FMA/F16C here: gguf is refused (test_precision)")
 @pytest.mark.parametrize("qtype", [3, 8])
 def test_gguf_linear_is_the_dequantized_matmul_and_each_row_the_same_at_any_row_count(qtype):
     """x W^T against fp64 on the dequantized weights; and row i's bits are the same alone as in

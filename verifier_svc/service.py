@@ -278,7 +278,8 @@ class ActiveRequest:
         it is hit; without, held tokens are decoded once, when their chunk goes."""
         final = event.finish is not None
         self.unsent.extend(event.tokens)
-        due = final or self.last_sent is None or time.monotonic() - self.last_sent >= self.interval_s
+        now = time.monotonic()
+        due = final or self.last_sent is None or now - self.last_sent >= self.interval_s
         if not due and not self.text.stop:
             return None
         tokens, self.unsent = self.unsent, []
@@ -294,7 +295,7 @@ class ActiveRequest:
         metrics.GENERATED_TOKENS.inc(len(tokens))
         if stop_hit and not final:
             self.runner.cancel(self.job)
-        if event.finish is not None or stop_hit:
+        if final or stop_hit:
             self.done = True
             chunk.finish_reason = pb.FINISH_REASON_STOP if stop_hit else FINISH[event.finish]
             if event.error:
@@ -308,7 +309,7 @@ class ActiveRequest:
                                       "dspark.accepted_tokens": chunk.metrics.accepted_tokens})
         if not (due or self.done):
             return None
-        self.held, self.last_sent = None, time.monotonic()
+        self.held, self.last_sent = None, now
         return chunk
 
     def abandon(self) -> None:
