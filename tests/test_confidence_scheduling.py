@@ -93,7 +93,9 @@ def test_scheduler_budget_drives_verification_and_output_stays_greedy(target, cl
     # Default budget 0 here: every verified draft token was admitted under the scheduler's budget.
     assert sum(r.metrics.draft_tokens for r in results[:6]) > 0
     assert any(source == 1.0 for _, source in seen), seen
-    assert any(k is not None and k > 0 for k, source in seen if source == 1.0), seen
+    # A budget above 0 may hold for a step or two between scrapes (on a loaded host drafting rarely
+    # pays on a tiny target): the counter, not a sampled gauge, says the scheduler's budget admitted them.
+    assert scrape(cluster["metrics"]["verifier"])["dspark_scheduled_draft_tokens_total"] > 0
     # Per-request overrides pass through: disabled verifies nothing, capped at most 1 per step.
     assert results[6].metrics.draft_tokens == 0
     assert results[7].metrics.draft_tokens == results[7].metrics.drafts

@@ -136,4 +136,6 @@ class BudgetControl:
                 self.drafter_version, self.calibration_version = self.drafter.version, 0
                 self.policy.set_temperatures(shipped_temperatures(self.drafter))
             metrics.VERIFY_BUDGET_FROM_SCHEDULER.set(int(self.source.from_scheduler))
+            if self.source.from_scheduler:
+                metrics.SCHEDULED_DRAFT_TOKENS.inc(sum(report.verified))
         metrics.VERIFY_BUDGET.set(self.policy.budget_in_force)

@@ -20,6 +20,8 @@ VERIFY_BUDGET = Gauge("dspark_verify_budget", "Verify budget in force: draft tok
 VERIFY_BUDGET_FROM_SCHEDULER = Gauge("dspark_verify_budget_from_scheduler",
                                      "1 while the scheduler's budget is in force, 0 on the default (--draft-len per "
                                      "request)")
+SCHEDULED_DRAFT_TOKENS = Counter("dspark_scheduled_draft_tokens", "Draft tokens verified while the scheduler's budget "
+                                 "was in force")
 DRAFT_SKIPPED_STEPS = Counter("dspark_draft_skipped_steps", "Decode steps that skipped the drafter (budget 0: plain "
                               "decoding, drafting would cost more than it saves)")
 VERIFIED_PER_REQUEST = Histogram("dspark_verified_tokens_per_request", "Draft tokens verified per request per step",
