@@ -45,6 +45,7 @@ CONFIGS = {
     "fixed k=7": dict(schedule="off", draft_len=7),
     "scheduler": dict(schedule="on", draft_len=3),  # the fallback while the scheduler has not decided
     "scheduler, no lookup": dict(schedule="on", draft_len=3, lookup="off"),  # the drafter's blocks alone
+    "scheduler, drafter inside": dict(schedule="on", draft_len=3, drafter="dspark"),  # no drafter service
 }
 
 
@@ -123,7 +124,9 @@ def start_stack(name: str, flags: dict | None, drafter_addr: str, args, log_dir:
     from dspark.models.threads import available_cores
 
     # Every core, as a deployed verifier has (the test helpers default a service to one thread).
-    verifier, v_addr = start_verifier(args.model, log_dir, drafter_addr if flags is not None else "", s_addr,
+    # A configuration with its own `drafter` runs it inside the verifier; the others call the drafter service.
+    remote = flags is not None and "drafter" not in flags
+    verifier, v_addr = start_verifier(args.model, log_dir, drafter_addr if remote else "", s_addr,
                                       max_batch=max(args.concurrency), max_len=1024, drafter_timeout_s=30,
                                       env={"OMP_NUM_THREADS": str(available_cores())}, **(flags or {}))
     services = [verifier, scheduler]
@@ -226,7 +229,10 @@ def main(argv=None) -> None:
     try:
         wait_serving(d_addr, drafter, timeout=900)
         for name in args.configs:
-            stack, s_addr = start_stack(name, CONFIGS[name], d_addr, args, log_dir)
+            flags = CONFIGS[name]
+            if flags and "drafter" in flags:
+                flags = {**flags, "drafter": checkpoint}
+            stack, s_addr = start_stack(name, flags, d_addr, args, log_dir)
             services += stack
             stacks[name] = s_addr
         results = measure(stacks, args, prompts)

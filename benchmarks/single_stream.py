@@ -34,6 +34,9 @@ SERVICE_CONFIGS = {  # name -> verifier flags (None: no drafter); lookup on unle
     "services scheduler": dict(schedule="on", draft_len=3),  # draft-ahead auto (off beside a drafter on few cores)
     "services scheduler, draft-ahead": dict(schedule="on", draft_len=3, draft_ahead="on"),
     "services scheduler, no lookup": dict(schedule="on", draft_len=3, lookup="off"),
+    # The same drafter inside the verifier (--drafter): no drafter service, no round trip.
+    "services k=7, drafter inside": dict(schedule="off", draft_len=7, drafter="dspark"),
+    "services scheduler, drafter inside": dict(schedule="on", draft_len=3, drafter="dspark"),
 }
 IN_PROCESS_SPEC = {"in-process k=3": 3, "in-process k=7": 7}  # DSpark + prompt lookup, this process
 
@@ -115,6 +118,8 @@ def main(argv=None) -> None:
     drafter, d_addr = start_drafter(args.model, log_dir, checkpoint=checkpoint, gamma=7, num_layers=2, max_batch=4)
     services, stacks = [drafter], {}
     configs = {name: SERVICE_CONFIGS[name] for name in args.services}
+    configs = {name: ({**flags, "drafter": checkpoint} if flags and "drafter" in flags else flags)
+               for name, flags in configs.items()}
     names = ["in-process plain", *IN_PROCESS_SPEC, *configs] + (["llama.cpp plain"] if llama else [])
     rows = {d: {n: dict(tokens=0, seconds=0.0, steps=0) for n in names} for d in datasets}
     same = True

@@ -10,12 +10,12 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import torch
 
 from drafter_svc.contexts import Limits, answer
-from dspark.proto_gen.v1 import drafter_pb2, drafter_pb2_grpc
+from dspark.proto_gen.v1 import drafter_pb2_grpc
 from dspark.serving import metrics, tracing
-from dspark.wire import WireError, tensor_to_proto
+from dspark.serving.drafter_info import drafter_info
+from dspark.wire import WireError
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +39,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     async def DrafterInfo(self, request, context):
         if self.drafter is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is still loading")
-        d = self.drafter
-        info = drafter_pb2.DrafterInfoResponse(
-            kind=d.kind, version=d.version, gamma=d.gamma, target_layers=d.ctx_layers,
-            hidden_size=d.cfg.hidden_size, target_model=self.target_model, has_confidence=d.has_confidence,
-            drafts_ahead=d.drafts_ahead)
-        if self.sts_temperatures is not None:
-            info.sts_temperatures.CopyFrom(tensor_to_proto(torch.tensor(self.sts_temperatures, dtype=torch.float32)))
-        return info
+        return drafter_info(self.drafter, self.target_model, self.sts_temperatures)
 
     async def DraftStream(self, request_iterator, context):
         if self.drafter is None:

@@ -3,7 +3,8 @@
     python -m dspark.local --prompt "What is speculative decoding?"
 
 Starts drafter, verifier and scheduler as subprocesses (the scheduler with its in-process
-store: no Redis), waits until they are healthy, streams the answer through dspark_client,
+store: no Redis; on a host of fewer than 8 cores the drafter runs inside the verifier instead of
+as its own service, see --drafter-service), waits until they are healthy, streams the answer through dspark_client,
 prints tokens/s and the acceptance length tau, then shuts the services down (SIGTERM).
 With --gateway-port=N the OpenAI-compatible HTTP gateway runs too (a fourth process, on
 http://127.0.0.1:N/v1) and everything keeps serving after the prompt until Ctrl-C.
@@ -29,7 +30,7 @@ from dspark.device import add_device_flag, device_or_exit
 from dspark.drafters.shipped import default_drafter_dir
 from dspark.models.loader import DEFAULT_MODEL
 from dspark.models.precision import add_precision_flag
-from dspark.models.threads import available_cores, requested_threads
+from dspark.models.threads import SMALL_HOST_CORES, available_cores, requested_threads
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,6 +58,15 @@ def service_threads(cores: int, requested: int | None = None) -> dict[str, int]:
     (its idle OpenMP workers spin on the verifier's cores: k = 3 through the services 42.0 tokens/s
     against 57.0 on a 2-core host, docs/results.md), so OMP_NUM_THREADS never reaches the others."""
     return {"verifier_svc": max(1, requested or cores)}
+
+
+def runs_drafter_service(choice: str, cores: int, checkpoint: str) -> bool:
+    """Whether the drafter runs as its own service (else inside the verifier): --drafter-service on/off,
+    or auto: only where it gets cores of its own. A random drafter (no checkpoint) exists only in the
+    drafter service."""
+    if not checkpoint:
+        return True
+    return choice == "on" or (choice == "auto" and cores >= SMALL_HOST_CORES)
 
 
 def start(module: str, flags: list[str], log_dir: Path, token: str = "") -> subprocess.Popen:
@@ -89,6 +99,11 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", default="Explain speculative decoding in two sentences.")
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--drafter", default="", help="drafter checkpoint directory (default: the shipped one, if any)")
+    ap.add_argument("--drafter-service", default="auto", choices=["auto", "on", "off"],
+                    help="on: the drafter runs as its own service, as deployed; off: inside the verifier (no round "
+                         f"trip); auto: off on a host of fewer than {SMALL_HOST_CORES} cores, where the two would "
+                         "share them (2 cores: a drafted step 44 ms through a drafter service against 34 ms inside, "
+                         "docs/results.md)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
@@ -107,23 +122,28 @@ def main(argv=None) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="dspark-local-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = args.drafter or str(default_drafter_dir(args.model) or "")
+    split = runs_drafter_service(args.drafter_service, available_cores(), checkpoint)
     ports = {name: free_port() for name in ("drafter_svc", "verifier_svc", "scheduler_svc", "scheduler_internal")}
     token = secrets.token_urlsafe(24)
     addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
-    print(f"starting services (logs in {log_dir}); drafter: {checkpoint or 'random DSpark (no checkpoint found)'}",
-          file=sys.stderr)
-    procs = {
-        "drafter_svc": start("drafter_svc", [f"--port={ports['drafter_svc']}", "--kind=dspark",
-                                             f"--checkpoint={checkpoint}", f"--target-model={args.model}",
-                                             f"--precision={args.precision}", f"--device={args.device}"], log_dir, token),
+    print(f"starting services (logs in {log_dir}); drafter: {checkpoint or 'random DSpark (no checkpoint found)'}"
+          f"{'' if split else ', inside the verifier'}", file=sys.stderr)
+    procs = {}
+    if split:
+        procs["drafter_svc"] = start("drafter_svc", [f"--port={ports['drafter_svc']}", "--kind=dspark",
+                                                     f"--checkpoint={checkpoint}", f"--target-model={args.model}",
+                                                     f"--precision={args.precision}", f"--device={args.device}"],
+                                     log_dir, token)
+    procs.update({
         "scheduler_svc": start("scheduler_svc", [f"--port={ports['scheduler_svc']}", "--redis-url=",
                                                  f"--internal-port={ports['scheduler_internal']}",
                                                  f"--verifiers={addr['verifier_svc']}"], log_dir, token),
         "verifier_svc": start("verifier_svc", [f"--port={ports['verifier_svc']}", f"--model={args.model}",
-                                               f"--drafter-addr={addr['drafter_svc']}",
+                                               f"--drafter-addr={addr['drafter_svc']}" if split
+                                               else f"--drafter={checkpoint}",
                                                f"--scheduler-addr={addr['scheduler_internal']}", "--max-batch=4",
                                                f"--precision={args.precision}", f"--device={args.device}"], log_dir, token),
-    }
+    })
     try:
         wait_all({n: (p, addr[n]) for n, p in procs.items()}, timeout=600, log_dir=log_dir)
         if args.gateway_port:

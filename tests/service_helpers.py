@@ -143,12 +143,12 @@ def start_drafter(target: str, log_dir: Path, port: int | None = None, **flags) 
     return Service("drafter_svc", args, log_dir, f"drafter-{port}"), f"127.0.0.1:{port}"
 
 
-def start_verifier(target: str, log_dir: Path, drafter: str, scheduler: str = "", port: int | None = None,
+def start_verifier(target: str, log_dir: Path, drafter_addr: str, scheduler: str = "", port: int | None = None,
                    env: dict | None = None, **flags) -> tuple[Service, str]:
     """env: extra environment (tests run every service on one thread; a benchmark may want more)."""
     port = port or free_port()
     scheduler = ",".join(internal_address(s) for s in scheduler.split(",") if s)
-    args = [f"--port={port}", f"--model={target}", f"--drafter-addr={drafter}", f"--scheduler-addr={scheduler}",
+    args = [f"--port={port}", f"--model={target}", f"--drafter-addr={drafter_addr}", f"--scheduler-addr={scheduler}",
             f"--verifier-id=verifier-{port}", "--max-batch=16", "--max-len=1024", "--grace-s=5",
             "--drafter-timeout-s=1"]
     args += [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]

@@ -2,7 +2,8 @@
        --drafter-addr=HOST:50053 --scheduler-addr=HOST:50051 [--verifier-id=...]
        [--max-batch=16] [--max-len=2048] [--draft-len=N] [--schedule=on|off] [--device=cpu|cuda|cuda:N]
 
---drafter-addr empty = plain decoding; --scheduler-addr empty = no reports (direct use only).
+--drafter-addr empty = plain decoding, unless --drafter names a drafter to run inside the verifier;
+--scheduler-addr empty = no reports (direct use only).
 """
 from __future__ import annotations
 
@@ -13,17 +14,20 @@ import logging
 import socket
 
 from dspark.device import add_device_flag, describe, device_or_exit
+from dspark.drafters.ahead import DraftAheadThread
 from dspark.drafters.lookup import LookupDrafter
+from dspark.drafters.shipped import load_drafter_for
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag
-from dspark.models.threads import available_cores, configure_threads, share_gil_with_torch_thread
+from dspark.models.threads import SMALL_HOST_CORES, available_cores, configure_threads, share_gil_with_torch_thread
 from dspark.proto_gen.v1 import generation_pb2_grpc, scheduler_pb2, verifier_pb2_grpc
 from dspark.serving import metrics, tracing
 from dspark.serving.config import common_parser, env
+from dspark.serving.drafter_info import drafter_info
 from dspark.serving.server import GrpcApp, setup_logging
 from dspark.speculative.engine import SpecEngine
 from verifier_svc.budget_control import BudgetControl
-from verifier_svc.remote_drafter import SMALL_HOST_CORES, RemoteDrafter, ahead_pays
+from verifier_svc.remote_drafter import RemoteDrafter, ahead_pays
 from verifier_svc.reporter import SchedulerReporter, make_load
 from verifier_svc.runner import EngineRunner
 from verifier_svc.service import CoreSlot, GenerationService, VerifierCore, VerifierService
@@ -35,7 +39,13 @@ log = logging.getLogger("verifier_svc")
 def parse_args(argv=None):
     ap = common_parser(__doc__, port=50052)
     ap.add_argument("--model", env="DSPARK_MODEL", default=DEFAULT_MODEL)
-    ap.add_argument("--drafter-addr", env="DSPARK_DRAFTER_ADDR", default="")
+    ap.add_argument("--drafter-addr", env="DSPARK_DRAFTER_ADDR", default="", help="the drafter service")
+    ap.add_argument("--drafter", env="DSPARK_DRAFTER", default="",
+                    help="instead of a drafter service: run this drafter inside the verifier, on its torch thread "
+                         "(a checkpoint directory, or a shipped kind: dspark, dflash, eagle3). For a host whose few "
+                         "cores a drafter service would share: there each draft waits on a round trip and on a "
+                         "drafter on one thread, and the target's pass after it on waking threads (2 cores: a "
+                         "drafted step 44 ms through the service against 34 ms inside, docs/results.md)")
     ap.add_argument("--scheduler-addr", env="DSPARK_SCHEDULER_ADDR", default="")
     ap.add_argument("--verifier-id", default=env("DSPARK_VERIFIER_ID", env("POD_NAME", "")),
                     help="default: $POD_NAME, else host-port")
@@ -90,6 +100,8 @@ def parse_args(argv=None):
     ap.add_argument("--drafter-wait-s", type=float, env="DSPARK_DRAFTER_WAIT_S", default=120,
                     help="at startup, how long to wait for the drafter before serving without one")
     args = ap.parse_args(argv)
+    if args.drafter and args.drafter_addr:
+        ap.error("--drafter runs a drafter inside the verifier, --drafter-addr calls a drafter service: give one")
     if args.context_push_every < 0:
         ap.error(f"--context-push-every must be >= 0, got {args.context_push_every}")
     args.verifier_id = args.verifier_id or f"{socket.gethostname()}-{args.port}"
@@ -126,23 +138,37 @@ async def serve(args) -> None:
 
     loaded = await on_torch(load_model, args.model, device=args.device, precision=args.precision)
     metrics.report_device("verifier", describe(args.device))
-    drafter = None
-    if args.drafter_addr:
+    drafter = remote = info = None  # info: the DrafterInfo of whichever drafter runs
+    ahead = False
+    if args.drafter:
+        drafter = await on_torch(load_drafter_for, loaded, args.drafter, loaded.model.precision)
+        if drafter is None:
+            raise SystemExit(f"--drafter {args.drafter!r}: no checkpoint directory and no shipped drafter of that "
+                             f"kind for {loaded.name}")
+        info = drafter_info(drafter, loaded.name, drafter.sts_temperatures)
+        # Beside the target's pass only on a thread of its own, and only where it has a core to itself.
+        ahead = args.draft_ahead == "on" or (args.draft_ahead == "auto" and available_cores() >= SMALL_HOST_CORES)
+        if ahead and drafter.drafts_ahead:
+            drafter = DraftAheadThread(drafter)
+    elif args.drafter_addr:
         remote = RemoteDrafter(args.drafter_addr, timeout_s=args.drafter_timeout_s)
         if await asyncio.to_thread(remote.connect, args.drafter_wait_s):
-            drafter = LookupDrafter(remote) if args.lookup == "on" else remote
+            drafter, info = remote, remote.info
             app.on_shutdown.append(lambda: asyncio.to_thread(remote.close))
         else:
             log.error("no drafter at %s after %.0f s: serving with plain decoding", args.drafter_addr,
                       args.drafter_wait_s)
+        ahead = args.draft_ahead == "on" or (args.draft_ahead == "auto" and ahead_pays(args.drafter_addr,
+                                                                                       available_cores()))
+    if drafter is not None and args.lookup == "on":
+        drafter = LookupDrafter(drafter)
     draft_len = (args.draft_len if args.draft_len >= 0 else drafter.gamma) if drafter is not None else 0
-    ahead = args.draft_ahead == "on" or (args.draft_ahead == "auto" and ahead_pays(args.drafter_addr, available_cores()))
     policy = control.make_policy(drafter, draft_len, args.schedule == "on")
     # Built on the torch thread too: its KV-cache fill is a parallel region, and a second thread's
     # OpenMP team makes libgomp throttle every worker's spin (more threads than cores).
     engine = await on_torch(SpecEngine, loaded.model, drafter, policy, max_batch=args.max_batch,
                             max_len=args.max_len, context_push_every=args.context_push_every,
-                            draft_ahead=ahead)
+                            draft_ahead=drafter is not None and ahead)
     await control.warmup(engine, args.max_batch, run=on_torch)
     metrics.VERIFY_BUDGET.set(policy.budget_in_force)
 
@@ -151,8 +177,8 @@ async def serve(args) -> None:
         register = scheduler_pb2.RegisterVerifierRequest(
             address=args.advertise_addr, model=loaded.name, drafter_kind=drafter.kind if drafter else "",
             drafter_version=drafter.version if drafter else "", gamma=drafter.gamma if drafter else 0)
-        if drafter is not None and remote.info.HasField("sts_temperatures"):
-            register.sts_temperatures.CopyFrom(remote.info.sts_temperatures)
+        if info is not None and info.HasField("sts_temperatures"):
+            register.sts_temperatures.CopyFrom(info.sts_temperatures)
         reporter = SchedulerReporter(args.scheduler_addr, register, load_fn, control.apply,
                                      interval_s=args.report_interval_s,
                                      step_interval_s=args.step_report_interval_s)
@@ -173,17 +199,18 @@ async def serve(args) -> None:
     runner = EngineRunner(engine, on_step)
     if tracing.enabled():  # per-step spans, and their context sent along with each draft call
         runner.step_spans = StepSpans()
-        if drafter is not None:
+        if remote is not None:
             remote.trace_context = runner.step_spans.carrier
     runner.start(torch_thread)
     slot.core = VerifierCore(runner, loaded.tokenizer, loaded.name, args.max_len, loaded.model.config.vocab_size,
-                             remote.info if drafter is not None else None, args.default_max_tokens,
+                             info if drafter is not None else None, args.default_max_tokens,
                              args.max_tokens_cap)
     if reporter is not None:
         reporter.start()
         app.on_shutdown.insert(0, reporter.close)
     app.on_shutdown.append(lambda: asyncio.to_thread(runner.stop))
     drafting = (drafter.kind + (" + prompt lookup" if args.lookup == "on" else "")
+                + (" inside the verifier" if remote is None else "")
                 + (", drafting ahead" if ahead and drafter.drafts_ahead else "")) if drafter else "none"
     log.info("verifier %s serving %s (%s matmuls on %s) at %s (drafter: %s, draft len %d, max batch %d, "
              "max len %d)", args.verifier_id, loaded.name, loaded.model.precision, describe(args.device),

@@ -26,6 +26,7 @@ import torch
 
 from dspark.drafters.ahead import Guesses
 from dspark.drafters.base import DraftBlock, merge_rows
+from dspark.models.threads import SMALL_HOST_CORES
 from dspark.proto_gen.v1 import drafter_pb2, drafter_pb2_grpc
 from dspark.serving import metrics
 from dspark.serving.config import sync_channel
@@ -34,7 +35,6 @@ from dspark.wire import WireError, tensor_from_proto, tensor_to_proto
 
 log = logging.getLogger(__name__)
 
-SMALL_HOST_CORES = 8  # below this, a drafter on the same machine drafting ahead slows the target's pass
 
 
 def ahead_pays(address: str, cores: int) -> bool:

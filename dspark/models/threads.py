@@ -10,6 +10,10 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
+# Below this many cores a drafter and the target on one machine share them: a drafter working
+# beside the target's pass (drafting ahead) slows it, and one in another process makes every
+# drafted step wait on a round trip (docs/results.md).
+SMALL_HOST_CORES = 8
 
 
 def available_cores() -> int:
