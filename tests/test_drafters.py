@@ -225,3 +225,19 @@ def test_greedy_fast_path_drafts_what_the_general_loop_drafts(target, sequence, 
         for p in drafter.head.W1.parameters():
             p.mul_(-1.5)
     assert not torch.equal(both(), before)  # the new W1 drafts differently, and both paths agree
+
+
+def test_the_bias_table_holds_the_markov_bias_after_each_draft_token(target):
+    """On a CPU, slots after the first read W2 W1[x] from a table instead of a 1-row matmul: each row
+    is that bias (to bf16), and it follows the weights."""
+    drafter = make(target, "dspark", draft_vocab_size=24, markov_table="compact")
+    assert make(target, "dflash")._draft_token_biases() is None
+    with torch.no_grad():
+        for p in drafter.head.parameters():
+            p.normal_()
+        table = drafter._draft_token_biases()
+        want = drafter.head.W2(drafter.prev_embedding(drafter.draft_vocab))
+        assert table.shape == (24, 24) and table.dtype == torch.bfloat16
+        torch.testing.assert_close(table.float(), want, rtol=1e-2, atol=1e-2)
+        drafter.head.W2.weight.mul_(2)
+        torch.testing.assert_close(drafter._draft_token_biases().float(), 2 * want, rtol=1e-2, atol=2e-2)

@@ -127,13 +127,18 @@ class ParallelDrafter(Drafter):
                 and (self.head is None or isinstance(self.head, MarkovHead))):
             return self._greedy_block(hidden, base, anchors)
         state = self.head.init_state(hidden.shape[0], hidden) if self.head is not None else None
+        # Sampled slots follow a draft token; forced ones (scoring) may not, and take W2 itself.
+        biases = self._draft_token_biases() if forced_tokens is None else None
         prev = anchors
         tokens, confs, ids, probs, all_logits = [], [], [], [], []
         for k in range(self.gamma):
             logits, prev_emb = base[:, k], None
             if self.head is not None:
                 prev_emb = self.prev_embedding(prev)
-                bias, state = self.head.step(hidden[:, k], prev_emb, state)
+                if k and biases is not None:
+                    bias = biases[self.to_draft_index(prev)]
+                else:
+                    bias, state = self.head.step(hidden[:, k], prev_emb, state)
                 logits = logits + bias
             if self.confidence_head is not None:
                 confs.append(self.confidence_head(hidden[:, k], prev_emb))
@@ -154,10 +159,14 @@ class ParallelDrafter(Drafter):
         R = hidden.shape[0]
         prev_emb = self.prev_embedding(anchors) if self.head is not None else None
         rows = self._draft_token_rows() if self.head is not None else None
+        biases = self._draft_token_biases()
         conf_h, w_prev = self.confidence_head.split(hidden) if self.confidence_head is not None else (None, None)
         picks, confs = [], []
         for k in range(self.gamma):
-            logits = base[:, k] if self.head is None else base[:, k] + self.head.W2(prev_emb)
+            if self.head is None:
+                logits = base[:, k]
+            else:
+                logits = base[:, k] + (biases[picks[-1]] if k and biases is not None else self.head.W2(prev_emb))
             if conf_h is not None:
                 confs.append(conf_h[:, k] if prev_emb is None else conf_h[:, k] + prev_emb @ w_prev)
             pick = logits.argmax(-1)
@@ -173,6 +182,20 @@ class ParallelDrafter(Drafter):
         support_probs[..., 0] = 1.0
         return DraftBlock(tokens=tokens, conf_logits=torch.stack(confs, 1).float() if confs else None,
                           support_ids=support_ids, support_probs=support_probs)
+
+    def _draft_token_biases(self) -> torch.Tensor | None:
+        """The Markov head's bias after every draft-vocabulary token, W2 W1[x] [V', V'] in bf16, on a CPU
+        (None elsewhere, or with another head). Every slot but the first follows a draft token, and
+        there a 1-row matmul streams all of W2 (4 MB in bf16) for one row, where the table gives it in
+        16 KB: on one thread 7 such matmuls were 1.8 ms of a 10 ms block. 128 MB at V' = 8,192. Rebuilt
+        when W1's or W2's weights change."""
+        if not isinstance(self.head, MarkovHead) or self.lm_head_draft.device.type != "cpu":
+            return None
+        key = tuple((p.data_ptr(), p._version) for p in self.head.parameters())
+        cached = self.__dict__.get("_token_biases")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_token_biases"] = (key, self.head.W2(self._draft_token_rows()).bfloat16())
+        return cached[1]
 
     def _draft_token_rows(self) -> torch.Tensor:
         """W1 of every draft-vocabulary token [V', r], rebuilt when W1's weights change (training
