@@ -1,12 +1,13 @@
 """Confidence-scheduled verification under load: tokens/s through the three services (drafter,
 verifier, scheduler as separate processes, gRPC) at each concurrency, for plain decoding,
-fixed k = 1, 3, 7 and the scheduler (two-step rule, method.md 5), in one run.
+fixed k = 1, 3, 7 and the scheduler (two-step rule, method.md 5), with the drafter as its own service
+and inside the verifier (--drafter), in one run.
 
     python benchmarks/concurrency.py [--concurrency 1 2 4 8 16 32] [--max-tokens 32]
                                      [--seconds 6] [--repeats 3] [--drafter DIR]
 
 All configurations run at once, each as its own scheduler + verifier (sharing one drafter
-service), so they are measured side by side. Every stack first serves some traffic unmeasured
+service, or each with the drafter inside), so they are measured side by side. Every stack first serves some traffic unmeasured
 (steady state: the online calibration and the live SPS tables have learned); then each
 concurrency level warms every stack up at that load (unmeasured), then runs `--repeats` rounds
 over the stacks in rotating order and keeps each stack's median round. A round is `c` client
@@ -45,7 +46,10 @@ CONFIGS = {
     "fixed k=7": dict(schedule="off", draft_len=7),
     "scheduler": dict(schedule="on", draft_len=3),  # the fallback while the scheduler has not decided
     "scheduler, no lookup": dict(schedule="on", draft_len=3, lookup="off"),  # the drafter's blocks alone
-    "scheduler, drafter inside": dict(schedule="on", draft_len=3, drafter="dspark"),  # no drafter service
+    # The same drafter inside each verifier (--drafter): no drafter service, no round trip.
+    "fixed k=3, drafter inside": dict(schedule="off", draft_len=3, drafter="dspark"),
+    "fixed k=7, drafter inside": dict(schedule="off", draft_len=7, drafter="dspark"),
+    "scheduler, drafter inside": dict(schedule="on", draft_len=3, drafter="dspark"),
 }
 
 

@@ -14,21 +14,27 @@ from collections import defaultdict
 log = logging.getLogger(__name__)
 
 
-def load_of(record: dict, inflight: int) -> int:
-    """Requests on a verifier: what it reported, or what we sent it since, whichever is more."""
-    return max(int(record.get("running", 0)) + int(record.get("queued", 0)), inflight)
+def load_of(record: dict, inflight: int, finished: int = 0) -> int:
+    """Requests on a verifier: what it reported less those of ours that finished since, or what we
+    have on it now, whichever is more. Without the first part a slot freed just after a report stayed
+    taken until the next one (every 0.5 s): at 16 requests a round, the next round's requests queued
+    here for up to that long while the verifier idled."""
+    return max(int(record.get("running", 0)) + int(record.get("queued", 0)) - finished, inflight)
 
 
-def choose(records: list[dict], inflight: dict[str, int]) -> str | None:
-    """Address of the least loaded verifier with room, or None when all are full (or none is live)."""
+def choose(records: list[dict], inflight: dict[str, int], finished: dict[str, int] | None = None) -> str | None:
+    """Address of the least loaded verifier with room, or None when all are full (or none is live).
+    finished: per address, our requests that ended there since its record was reported."""
     best, best_key = None, None
+    finished = finished or {}
     for r in records:
-        load, cap = load_of(r, inflight.get(r["address"], 0)), int(r.get("max_batch", 0))
+        address = r["address"]
+        load, cap = load_of(r, inflight.get(address, 0), finished.get(address, 0)), int(r.get("max_batch", 0))
         if cap and load >= cap:
             continue
-        key = (load / cap if cap else load, load, r["address"])
+        key = (load / cap if cap else load, load, address)
         if best_key is None or key < best_key:
-            best, best_key = r["address"], key
+            best, best_key = address, key
     return best
 
 
@@ -37,7 +43,8 @@ class Registry:
         self.store, self.ttl_s, self.dead_s = store, ttl_s, dead_s
         self.records: dict[str, dict] = {}  # verifier id -> record (heartbeat = wall-clock seconds)
         self.discovered: list[str] | None = None  # addresses from discovery; None = any registered
-        self.inflight: dict[str, int] = defaultdict(int)
+        self.inflight: dict[str, int] = defaultdict(int)  # address -> our requests on it now
+        self.finished: dict[str, int] = defaultdict(int)  # address -> ours that ended since its record
         self._dead_until: dict[str, float] = {}
         self.store_ok = True
         self._tasks: set[asyncio.Task] = set()
@@ -46,6 +53,7 @@ class Registry:
     def heartbeat(self, record: dict) -> None:
         record = dict(record, heartbeat=time.time())
         self.records[record["verifier_id"]] = record
+        self.finished.pop(record.get("address"), None)  # the new record counts them already
         self.background(self.store.put_verifier(record["verifier_id"], record, self.ttl_s))
 
     def mark_dead(self, address: str) -> None:
@@ -89,6 +97,7 @@ class Registry:
         for vid, rec in (fresh or {}).items():
             if rec.get("heartbeat", 0) > self.records.get(vid, {}).get("heartbeat", 0):
                 self.records[vid] = rec
+                self.finished.pop(rec.get("address"), None)
         cutoff = time.time() - 10 * self.ttl_s
         self.records = {k: r for k, r in self.records.items() if r.get("heartbeat", 0) > cutoff}
 
@@ -110,7 +119,12 @@ class Registry:
         return time.time() - record.get("heartbeat", 0) <= self.ttl_s
 
     def choose(self) -> str | None:
-        return choose(self.live(), self.inflight)
+        return choose(self.live(), self.inflight, self.finished)
+
+    def finish(self, address: str) -> None:
+        """One of our requests on this verifier ended: its slot is free before the next report says so."""
+        self.inflight[address] -= 1
+        self.finished[address] += 1
 
     def models(self) -> set[str]:
         return {r["model"] for r in self.live() if r.get("model")}

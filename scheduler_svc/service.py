@@ -88,7 +88,7 @@ class Router:
                 self.registry.background(self.registry.store.remove_pending(request_id), after=queued)
 
     def release(self, address: str) -> None:
-        self.registry.inflight[address] -= 1
+        self.registry.finish(address)
 
     async def close(self) -> None:
         for stream in self._streams.values():

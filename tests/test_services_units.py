@@ -102,6 +102,23 @@ def test_choose_picks_the_least_loaded_verifier_with_room():
     assert choose(records, {}) == "b"
     assert choose(records, {"b": 4}) == "a"  # what we routed since its last heartbeat counts too
     assert choose(records, {"a": 4, "b": 4}) is None  # all full: the request queues
+    # c reported itself full, but two of ours ended there since: their slots are free now
+    assert choose(records, {"a": 4, "b": 4, "c": 2}, {"c": 2}) == "c"
+    assert choose(records, {"a": 4, "b": 4, "c": 4}, {"c": 2}) is None  # unless we have filled them again
+
+
+def test_a_heartbeat_replaces_what_ended_since_the_last_one():
+    from scheduler_svc.registry import Registry
+
+    registry = Registry(MemoryStore())
+    registry.background = lambda coro, after=None: coro.close()  # no event loop here: skip the store
+    registry.heartbeat(dict(verifier_id="v", address="a", running=4, queued=0, max_batch=4))
+    registry.inflight["a"] = 4
+    assert registry.choose() is None
+    registry.finish("a")
+    assert registry.choose() == "a" and registry.inflight["a"] == 3
+    registry.heartbeat(dict(verifier_id="v", address="a", running=4, queued=0, max_batch=4))  # one more came
+    assert registry.choose() is None  # from another scheduler: full again
 
 
 @pytest.mark.parametrize("make", [MemoryStore, lambda: RedisStore("redis://127.0.0.1:6379/0")])
