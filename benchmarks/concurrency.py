@@ -7,8 +7,8 @@ and inside the verifier (--drafter), in one run.
                                      [--seconds 6] [--repeats 3] [--drafter DIR]
 
 All configurations run at once, each as its own scheduler + verifier (sharing one drafter
-service, or each with the drafter inside), so they are measured side by side. Every stack first serves some traffic unmeasured
-(steady state: the online calibration and the live SPS tables have learned); then each
+service, or each with the drafter inside), so they are measured side by side. Every stack first
+serves some traffic unmeasured (steady state: the online calibration and the live SPS tables have learned); then each
 concurrency level warms every stack up at that load (unmeasured), then runs `--repeats` rounds
 over the stacks in rotating order and keeps each stack's median round. A round is `c` client
 threads, each sending requests one after another for `--seconds` (closed loop; a request
