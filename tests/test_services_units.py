@@ -255,3 +255,47 @@ def test_text_stream_keeps_the_spaces_a_metaspace_decoder_strips_at_the_start():
     stream = TextStream(tok.decode)
     sent = "".join(stream.push(ids[i:i + 3])[0] for i in range(0, len(ids), 3)) + stream.push([], final=True)[0]
     assert sent == " ".join(words * 2)
+
+
+def test_an_idle_engine_admits_a_burst_of_requests_into_one_pass():
+    """Requests arriving close together at an idle engine prefill in one pass (first tokens at once
+    for all of them); one arriving after a quiet gap starts a pass of its own."""
+    import asyncio
+    import concurrent.futures
+    import time
+
+    from spec_helpers import tiny_target
+
+    from dspark.sampling import SamplingParams
+    from dspark.speculative.engine import EngineRequest, SpecEngine
+    from verifier_svc.runner import EngineRunner, Job
+
+    steps = []  # (requests in the pass, was it a prefill)
+    # Gaps far wider than the arrivals' spacing, so a loaded host cannot split the burst.
+    runner = EngineRunner(SpecEngine(tiny_target(), None, max_batch=8, max_len=64),
+                          lambda report: steps.append((report.batch_size, report.prefill)),
+                          admission_quiet_s=0.5, admission_window_s=5.0)
+    loop = asyncio.new_event_loop()
+    executor = concurrent.futures.ThreadPoolExecutor(1)
+    runner.start(executor)
+    try:
+        def job(i):
+            return Job(EngineRequest([1 + i, 2, 3], SamplingParams(max_tokens=3), f"r{i}"), loop)
+
+        for i in range(4):  # a burst: each within the quiet gap of the last
+            runner.submit(job(i))
+            time.sleep(0.02)
+        deadline = time.monotonic() + 30
+        while (runner.running or runner.queued) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert steps[0] == (4, True)  # all four in the first pass
+        steps.clear()
+        runner.submit(job(4))
+        deadline = time.monotonic() + 30
+        while not steps and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert steps[0] == (1, True)  # alone, after the quiet gap
+    finally:
+        runner.stop()
+        executor.shutdown()
+        loop.close()
