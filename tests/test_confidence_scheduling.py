@@ -43,8 +43,10 @@ def cluster(target, tmp_path_factory):
     redis_server = RedisServer().start()
     metrics_ports = {"scheduler": free_port(), "verifier": free_port()}
     drafter, d_addr = start_drafter(path, logs)
+    # Any promised gain drafts (no --min-draft-gain margin): with a random drafter the promise is
+    # small, and what is tested here is that the budget reaches the verifier, not the margin.
     scheduler, s_addr = start_scheduler(logs, [], redis_url=redis_server.url, metrics_port=metrics_ports["scheduler"],
-                                        calibration_refit_s=1, calibration_min_samples=20)
+                                        calibration_refit_s=1, calibration_min_samples=20, min_draft_gain=1.0)
     services = [drafter, scheduler]
     try:
         wait_serving(d_addr, drafter, timeout=600)
