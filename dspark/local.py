@@ -4,8 +4,9 @@
 
 Starts drafter, verifier and scheduler as subprocesses (the scheduler with its in-process
 store: no Redis; on a host of fewer than 8 cores the drafter runs inside the verifier instead of
-as its own service, see --drafter-service), waits until they are healthy, streams the answer through dspark_client,
-prints tokens/s and the acceptance length tau, then shuts the services down (SIGTERM).
+as its own service, see --drafter-service), waits until they are healthy, streams the answer
+through dspark_client, prints tokens/s and the acceptance length tau, then shuts the services
+down (SIGTERM).
 With --gateway-port=N the OpenAI-compatible HTTP gateway runs too (a fourth process, on
 http://127.0.0.1:N/v1) and everything keeps serving after the prompt until Ctrl-C.
 The drafter is the shipped checkpoint drafters/<model>/dspark when it exists, else a random
