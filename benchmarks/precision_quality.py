@@ -73,11 +73,11 @@ def main():
             table[(name, precision)] = (agree / count, math.exp(nll / count))
 
     print("\nTeacher-forced on fp32's greedy answers: top-1 agreement with fp32 / perplexity")
-    print(f"{'dataset':<12}" + "".join(f"{p + ' agree':>13}{p + ' ppl':>11}" for p in models))
+    print(f"{'dataset':<12}" + "".join(f"{p + ' agree':>15}{p + ' ppl':>13}" for p in models))
     for name in texts:
-        print(f"{name:<12}" + "".join(f"{table[(name, p)][0]:>13.3f}{table[(name, p)][1]:>11.3f}" for p in models))
+        print(f"{name:<12}" + "".join(f"{table[(name, p)][0]:>15.3f}{table[(name, p)][1]:>13.3f}" for p in models))
     mean = {p: [sum(table[(n, p)][i] for n in texts) / len(texts) for i in (0, 1)] for p in models}
-    print(f"{'mean':<12}" + "".join(f"{mean[p][0]:>13.3f}{mean[p][1]:>11.3f}" for p in models))
+    print(f"{'mean':<12}" + "".join(f"{mean[p][0]:>15.3f}{mean[p][1]:>13.3f}" for p in models))
 
     import matplotlib
 

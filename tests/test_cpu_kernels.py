@@ -130,6 +130,46 @@ def test_gguf_linear_is_the_dequantized_matmul_and_each_row_the_same_at_any_row_
             assert torch.equal(ops.gguf_linear(x[start:start + rows], blocks, qtype), y[start:start + rows])
 
 
+def q8_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """gguf_linear_q8's math in fp64: x rounded to int8 blocks of 32 (scale max |x| / 127), each
+    block's dot product with the weight quants exact, then scaled and summed."""
+    rows, k = x.shape
+    xb = x.float().reshape(rows, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)  # the rounding in fp32, as the kernel does it
+    q_x = torch.round(xb * torch.where(amax > 0, 127 / amax, 0)).double()
+    d_x = (amax / 127).double()
+    raw = blocks.reshape(blocks.shape[0], k // 32, -1)
+    d_w = raw[..., :2].contiguous().view(torch.float16).double()  # [out, blocks, 1]
+    if qtype == 3:
+        m_w = raw[..., 2:4].contiguous().view(torch.float16).double()
+        nibbles = raw[..., 4:].long()
+        q_w = torch.cat([nibbles & 15, nibbles >> 4], -1).double()
+    else:
+        m_w = torch.zeros_like(d_w)
+        q_w = raw[..., 2:].contiguous().view(torch.int8).double()
+    exact = torch.einsum("rbk,obk->rob", q_x, q_w)  # integers
+    x_sums = (d_x * q_x.sum(-1, keepdim=True))[:, None, :, 0]  # Q4_1's min term multiplies these
+    return (exact * d_w[None, :, :, 0] * d_x[:, None, :, 0] + m_w[None, :, :, 0] * x_sums).sum(-1)
+
+
+@pytest.mark.skipif(not has_gguf_matmul(), reason="no AVX2/FMA/F16C here: gguf-q8 is refused (test_precision)")
+@pytest.mark.parametrize("qtype", [3, 8])
+def test_gguf_linear_q8_is_llama_cpp_math_and_each_row_the_same_at_any_row_count(qtype):
+    """x as int8 blocks times the GGUF quants, against the same math in fp64; close to the fp32
+    matmul (8-bit activations: ~1%); and row i's bits alone equal its bits in any batch: row
+    counts 1..9 cover every grouping the kernel makes (4, then 2, then 1)."""
+    blocks = random_gguf_blocks(37, 96, qtype)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(1))
+    x[4] = 0.0  # an all-zero block quantizes to zeros, not NaN
+    y = ops.gguf_linear_q8(x, blocks, qtype)
+    torch.testing.assert_close(y.double(), q8_reference(x, blocks, qtype), rtol=1e-5, atol=1e-5)
+    exact = x.double() @ ops.gguf_dequantize(blocks, qtype, 96).double().T
+    assert ((y.double() - exact).norm() / exact.norm()) < 0.02
+    for rows in range(1, 10):
+        for start in range(0, 10 - rows):
+            assert torch.equal(ops.gguf_linear_q8(x[start:start + rows], blocks, qtype), y[start:start + rows])
+
+
 def test_bad_calls_get_clear_errors():
     kc = vc = torch.zeros(2, 1, 16, 8)
     q = torch.zeros(1, 2, 8)

@@ -371,6 +371,7 @@ def test_device_values_and_flags_agree(helm):
     (["model.device=cpu"], "model.device=cpu but the verifier requests nvidia.com/gpu=1"),
     (["model.device=cuda:1"], "model.device=cuda:1 but the verifier requests only nvidia.com/gpu=1"),
     (["model.precision=int8"], "model.precision=int8 runs on CPU kernels only"),
+    (["model.precision=gguf-q8"], "model.precision=gguf-q8 runs on CPU kernels only"),
     (["model.device=tpu"], "'/model/device'"),
 ])
 def test_device_disagreeing_with_the_gpus_is_refused(helm, overrides, message):

@@ -18,14 +18,15 @@ from tests.spec_helpers import random_drafter, tiny_target, with_gguf_blocks
 # test_bf16_is_refused_where_the_cpu_has_no_kernels checks on every CPU.
 FAST = ["int8", pytest.param("bf16", marks=pytest.mark.skipif(
     not prec.has_bf16_matmul(), reason="this CPU has no oneDNN bf16 kernels: bf16 is refused here")),
-        pytest.param("gguf", marks=pytest.mark.skipif(
-            not prec.has_gguf_matmul(), reason="no AVX2/FMA/F16C here: gguf is refused (tested below)"))]
+        *(pytest.param(name, marks=pytest.mark.skipif(
+            not prec.has_gguf_matmul(), reason=f"no AVX2/FMA/F16C here: {name} is refused (tested below)"))
+          for name in prec.GGUF_PRECISIONS)]
 
 
 def fast_linear(linear: nn.Linear, precision: str) -> nn.Module:
-    """`linear` on the precision's kernel; under gguf first stored as a GGUF stores it (its weight
-    becomes what the blocks hold, so it stays the reference)."""
-    if precision == "gguf":
+    """`linear` on the precision's kernel; under gguf and gguf-q8 first stored as a GGUF stores it
+    (its weight becomes what the blocks hold, so it stays the reference)."""
+    if precision in prec.GGUF_PRECISIONS:
         with_gguf_blocks(linear)
     return prec.convert_linear(linear, precision)
 
@@ -89,7 +90,7 @@ def test_auto_precision_follows_the_cpu(monkeypatch):
     flags("avx512f", "avx512_vnni")
     assert prec.resolve_precision("auto") == "int8"
     flags("avx2", "fma", "f16c")
-    assert prec.resolve_precision("auto") == "gguf"
+    assert prec.resolve_precision("auto") == "gguf-q8"
     monkeypatch.setenv("DSPARK_CPU_KERNELS", "0")  # no C++ kernels, no gguf matmul
     assert prec.resolve_precision("auto") == "fp32"
     monkeypatch.delenv("DSPARK_CPU_KERNELS")
@@ -181,7 +182,7 @@ def test_engine_pass_is_batch_invariant(precision):
 @pytest.mark.parametrize("precision", FAST)
 @pytest.mark.parametrize("kind", ["dspark", "eagle3"])
 def test_greedy_speculation_equals_plain_decoding_at_each_precision(precision, kind):
-    target = with_gguf_blocks(tiny_target()) if precision == "gguf" else tiny_target()
+    target = with_gguf_blocks(tiny_target()) if precision in prec.GGUF_PRECISIONS else tiny_target()
     drafter = random_drafter(target, kind)
     assert target.set_precision(precision) == precision
     prec.apply_precision(drafter, precision)

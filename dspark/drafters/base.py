@@ -127,11 +127,11 @@ class Drafter(nn.Module):
         calls this). It is a frozen buffer, not an nn.Linear, so the conversion would pass it by;
         kept off the module tree, so the checkpoint does not change. At one request it was 2.8 of a
         draft's 11.7 ms in fp32 on an AMX CPU."""
-        from dspark.models.precision import approximate_in_blocks, convert_linear
+        from dspark.models.precision import GGUF_PRECISIONS, approximate_in_blocks, convert_linear
 
         head = nn.Linear(self.cfg.hidden_size, self.cfg.draft_vocab, bias=False, device=self.lm_head_draft.device)
         head.weight = nn.Parameter(self.lm_head_draft, requires_grad=False)
-        if precision == "gguf":
+        if precision in GGUF_PRECISIONS:
             approximate_in_blocks(head)
         self.__dict__["_draft_head"] = convert_linear(head, precision)
 

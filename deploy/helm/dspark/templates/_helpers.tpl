@@ -182,8 +182,8 @@ kernel) is not asked of a GPU.
 {{- fail (printf "model.device=%s but the %s requests only nvidia.com/gpu=%d (devices cuda:0..cuda:%d)" $device .component $gpus (sub $gpus 1)) -}}
 {{- end -}}
 {{- end -}}
-{{- if and (hasPrefix "cuda" $device) (eq .ctx.Values.model.precision "int8") -}}
-{{- fail "model.precision=int8 runs on CPU kernels only: use auto, bf16 or fp32 with model.device=cuda" -}}
+{{- if and (hasPrefix "cuda" $device) (has .ctx.Values.model.precision (list "int8" "gguf" "gguf-q8")) -}}
+{{- fail (printf "model.precision=%s runs on CPU kernels only: use auto, bf16 or fp32 with model.device=cuda" .ctx.Values.model.precision) -}}
 {{- end -}}
 --device=$(DSPARK_DEVICE)
 {{- end }}
