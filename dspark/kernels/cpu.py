@@ -21,7 +21,7 @@ from dspark.models.precision import cpu_flags
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "gguf_matmul.cpp", "gguf_q8_matmul.cpp")]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "--param=sra-max-scalarization-size-Ospeed=2048"]
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 def _build_dir() -> Path:
