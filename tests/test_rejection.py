@@ -3,7 +3,7 @@ import torch.nn.functional as F
 from scipy.stats import chisquare
 
 from dspark.sampling import logits_to_probs, truncated_draft_distribution
-from dspark.speculative.rejection import draw_uniforms, rejection_sample, rejection_sample_auto
+from dspark.speculative.rejection import draw_uniforms, greedy_verify, rejection_sample, rejection_sample_auto
 
 V = 5
 
@@ -66,6 +66,32 @@ def test_greedy_matches_argmax_loop_on_random_logits():
         assert (tokens[r, matched + 1 :] == -1).all()
         start += n
     assert 0 < num_accepted.sum() < lens.sum()  # the case mixes accepts and rejects
+
+
+def test_greedy_verify_is_rejection_sample_on_one_hot_rows():
+    """The engine's all-greedy path gives rejection_sample's tokens for any drafts, any draft q."""
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        lens = torch.randint(0, 6, (8,), generator=gen)
+        num_drafts, vocab = int(lens.sum()), 7  # a small vocabulary: many drafts match
+        target_logits = torch.randn(num_drafts + 8, vocab, generator=gen)
+        zeros = torch.zeros(num_drafts + 8)
+        target = logits_to_probs(target_logits, zeros, zeros.long(), torch.ones_like(zeros))
+        # Sampled drafts at T 1: q is not one-hot, and its support may miss the target's argmax.
+        drafts, ids, probs = truncated_draft_distribution(torch.randn(num_drafts, vocab, generator=gen),
+                                                          torch.ones(num_drafts), 3, [gen] * num_drafts)
+        want_accepted, want_tokens = rejection_sample(target, drafts, ids, probs, lens, *draw_uniforms(lens, [gen] * 8))
+        per_request = torch.split(drafts, lens.tolist())
+        got_accepted, got_tokens = greedy_verify(target_logits.argmax(-1).tolist(), [d.tolist() for d in per_request])
+        assert got_accepted == want_accepted.tolist()
+        for r, tokens in enumerate(got_tokens):
+            assert tokens == want_tokens[r, : want_accepted[r] + 1].tolist()
+    try:
+        greedy_verify([1, 2], [[1, 2]])
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a row count that does not match the drafts must fail")
 
 
 def test_rejection_samples_the_residual():

@@ -31,7 +31,7 @@ from dspark.speculative.errors import DrafterUnavailable
 from dspark.speculative.metrics import SpecMetrics
 from dspark.speculative.policy import FixedDraftLen, SpeculationPolicy
 from dspark.speculative.probe_check import ProbeChecks
-from dspark.speculative.rejection import draw_uniforms, rejection_sample_auto
+from dspark.speculative.rejection import draw_uniforms, greedy_verify, rejection_sample_auto
 
 
 @dataclass
@@ -321,6 +321,9 @@ class SpecEngine(Engine):
         if not sum(lens):  # plain decoding this step: the plain engine's sampler draws the same tokens
             # with the same uniforms (one per request, inverse CDF of p), minus the verification's tensors
             return [0] * len(step.seqs), [[t] for t in sample_rows(step.out.logits, step.seqs)]
+        if all(s.params.temperature <= 0 for s in step.seqs):  # every row one-hot: match drafts to the argmax
+            drafts = [piece[len(head):] for piece, head in zip(step.pieces, step.heads)]
+            return greedy_verify(step.out.logits.argmax(dim=-1).tolist(), drafts)
         probs = row_probs(step.out.logits, step.seqs, [n + 1 for n in lens])
         # Drafts verified means a block: a remote drafter's arrives on the host (the wire), a local one's is here.
         spec_rows = [(i, j) for i, n in enumerate(lens[step.num_admitted:]) for j in range(n)]

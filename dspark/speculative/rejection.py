@@ -87,6 +87,29 @@ def draw_uniforms(
     return both[:-len(lens)], both[-len(lens):]
 
 
+def greedy_verify(target_argmax: list[int], drafts: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """rejection_sample for a batch whose every target row is greedy (one-hot on its argmax), on the host.
+
+    With p one-hot, u * q(x) < p(x) holds iff x is the argmax, whatever q and u are, and the residual
+    (or the bonus row) is that one-hot again: the chain keeps the drafts that match the target's
+    argmax and then emits the argmax. Same tokens as rejection_sample, without the vocabulary-wide
+    softmax and one-hot rows. target_argmax: each request's l_r + 1 rows back to back.
+    Returns (num_accepted [R], output tokens [R] of num_accepted + 1 each).
+    """
+    if len(target_argmax) != sum(len(d) + 1 for d in drafts):
+        raise ValueError(f"{len(target_argmax)} target rows for {len(drafts)} requests' drafts and bonus positions")
+    num_accepted, tokens, first = [], [], 0
+    for draft in drafts:
+        rows = target_argmax[first:first + len(draft) + 1]
+        first += len(draft) + 1
+        n = 0
+        while n < len(draft) and draft[n] == rows[n]:
+            n += 1
+        num_accepted.append(n)
+        tokens.append(list(draft[:n]) + [rows[n]])
+    return num_accepted, tokens
+
+
 def rejection_sample_auto(
     target_probs: torch.Tensor,
     draft_tokens: torch.Tensor,
