@@ -241,3 +241,27 @@ def test_the_bias_table_holds_the_markov_bias_after_each_draft_token(target):
         torch.testing.assert_close(table.float(), want, rtol=1e-2, atol=1e-2)
         drafter.head.W2.weight.mul_(2)
         torch.testing.assert_close(drafter._draft_token_biases().float(), 2 * want, rtol=1e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_serving_fusion_drafts_what_the_checkpoint_layout_drafts(target, sequence, kind):
+    """apply_precision fuses q|k|v (block rows) and k|v (context rows) into one matmul each: same
+    context keys and values, same block logits as the separate projections training keeps."""
+    import copy
+
+    from dspark.models.precision import apply_precision
+
+    tokens, features = sequence
+    separate = make(target, kind)
+    fused = copy.deepcopy(separate)
+    apply_precision(fused, "fp32")
+    assert all(hasattr(layer, "qkv_proj") and not hasattr(layer, "q_proj") for layer in fused.layers)
+    for drafter in (separate, fused):
+        drafter.extend_context("r", features[:13], tokens[:13])
+        drafter.extend_context("s", features[:6], tokens[:6])  # a shorter context: padded rows in the batch
+    torch.testing.assert_close(fused.contexts.rows("r"), separate.contexts.rows("r"), atol=1e-5, rtol=1e-5)
+    anchors, temperatures = tokens[torch.tensor([13, 6])], torch.zeros(2)
+    want = separate.draft(["r", "s"], anchors, temperatures, [None, None], return_logits=True)
+    got = fused.draft(["r", "s"], anchors, temperatures, [None, None], return_logits=True)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.tokens, want.tokens)

@@ -161,26 +161,28 @@ class ParallelDrafter(Drafter):
         rows = self._draft_token_rows() if self.head is not None else None
         biases = self._draft_token_biases()
         conf_h, w_prev = self.confidence_head.split(hidden) if self.confidence_head is not None else (None, None)
-        picks, confs = [], []
-        for k in range(self.gamma):
+        picks = []
+        for k in range(self.gamma):  # the chain itself: a row lookup, an add and an argmax a slot
             if self.head is None:
                 logits = base[:, k]
+            elif k and biases is not None:
+                logits = base[:, k] + biases[picks[-1]]
             else:
-                logits = base[:, k] + (biases[picks[-1]] if k and biases is not None else self.head.W2(prev_emb))
-            if conf_h is not None:
-                confs.append(conf_h[:, k] if prev_emb is None else conf_h[:, k] + prev_emb @ w_prev)
-            pick = logits.argmax(-1)
-            picks.append(pick)
-            if rows is not None:
-                prev_emb = rows[pick]
-        tokens = self.draft_vocab[torch.stack(picks, 1)]
+                logits = base[:, k] + self.head.W2(prev_emb if k == 0 else rows[picks[-1]])
+            picks.append(logits.argmax(-1))
+        picks = torch.stack(picks, 1)
+        confs = None
+        if conf_h is not None:  # every slot's W1[x_{k-1}] part at once, once the chain is known
+            confs = conf_h if prev_emb is None else \
+                conf_h + torch.cat([prev_emb[:, None], rows[picks[:, :-1]]], dim=1) @ w_prev
+        tokens = self.draft_vocab[picks]
         # The general loop's greedy support: the token with probability 1, padded with draft id 0.
         support = min(self.cfg.support_size, base.shape[-1])
         support_ids = self.draft_vocab[0].expand(R, self.gamma, support).clone()
         support_ids[..., 0] = tokens
         support_probs = torch.zeros(R, self.gamma, support, device=hidden.device)
         support_probs[..., 0] = 1.0
-        return DraftBlock(tokens=tokens, conf_logits=torch.stack(confs, 1).float() if confs else None,
+        return DraftBlock(tokens=tokens, conf_logits=confs.float() if confs is not None else None,
                           support_ids=support_ids, support_probs=support_probs)
 
     def _draft_token_biases(self) -> torch.Tensor | None:
