@@ -46,7 +46,7 @@ def draft_attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk) -> torch.Tensor:
     """
     keys, values = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
     mask = None
-    if not bool(ctx_visible.all()):  # padded rows of shorter contexts (several requests)
+    if not bool(ctx_visible.all()):  # padded rows of shorter contexts, or context a block may not see
         block = ctx_visible.new_ones(ctx_visible.shape[0], k_blk.shape[2])
         mask = torch.cat([ctx_visible, block], dim=1)[:, None, None, :]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
