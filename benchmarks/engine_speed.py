@@ -35,6 +35,7 @@ QUESTIONS = [f"{q} (variant {i})" if i else q for i in range(4) for q in QUESTIO
 
 
 BEFORE_KERNELS = "-sdpa"  # e.g. fp32-sdpa: the model as it ran before dspark/kernels (torch SDPA and norm)
+ON_FBGEMM = "-fbgemm"  # int8-fbgemm: int8 on FBGEMM's dynamic linear, as before int8_matmul.cpp
 
 
 def set_cpu_kernels(on: bool) -> None:
@@ -162,7 +163,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--precisions", default="fp32-sdpa,fp32,bf16,int8",
-                    help=f"comma-separated; a {BEFORE_KERNELS} suffix runs that precision without dspark/kernels")
+                    help=f"comma-separated; a {BEFORE_KERNELS} suffix runs that precision without dspark/kernels, "
+                         f"int8{ON_FBGEMM} runs int8 on FBGEMM instead of int8_matmul.cpp")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
@@ -175,7 +177,8 @@ def main():
     results, curves, drafts = {}, {}, {}
     for precision in precisions:
         set_cpu_kernels(not precision.endswith(BEFORE_KERNELS))
-        loaded = load_model(precision=precision.removesuffix(BEFORE_KERNELS))
+        os.environ["DSPARK_INT8_KERNEL"] = "fbgemm" if precision.endswith(ON_FBGEMM) else "vnni"  # read at load
+        loaded = load_model(precision=precision.removesuffix(BEFORE_KERNELS).removesuffix(ON_FBGEMM))
         print(f"[{precision}] decoding ...", flush=True)
         for batch in batches:
             results[(f"dspark {precision}", batch)] = ours(loaded, prompts[:batch], args.tokens)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from dspark.kernels.cpu import kernels
 from dspark.models.batch import VarlenBatch
 from dspark.models.layers import Rotary, apply_rope, rope_tables
-from dspark.models.precision import has_gguf_matmul
+from dspark.models.precision import _pack_for_vnni, has_gguf_matmul
 from tests.spec_helpers import tiny_target
 
 ops = kernels()
@@ -168,6 +168,67 @@ def test_gguf_linear_q8_is_llama_cpp_math_and_each_row_the_same_at_any_row_count
     for rows in range(1, 10):
         for start in range(0, 10 - rows):
             assert torch.equal(ops.gguf_linear_q8(x[start:start + rows], blocks, qtype), y[start:start + rows])
+
+
+needs_vnni_int8 = pytest.mark.skipif(ops is None or not ops.has_int8_linear(),
+                                     reason="no AVX-512 VNNI here: int8 runs on FBGEMM (test_precision covers it)")
+
+
+def int8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """int8_linear's math in fp64: each row rounded to int8 on max |x| / 127 (in fp32, as the kernel
+    rounds), the weights to int8 on their channel's scale, the integer dot products exact."""
+    amax = x.abs().amax(-1, keepdim=True)
+    q_x = torch.round(x * torch.where(amax > 0, 127 / amax, 0)).double()
+    q_w = torch.round(w / scale[:, None]).clamp(-127, 127).double()
+    y = (q_x @ q_w.T) * (amax / 127).double() * scale.double()
+    return y if bias is None else y + bias.double()
+
+
+@needs_vnni_int8
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(37, 98), (64, 96), (16, 4), (5, 3)])  # ragged outputs and inputs
+def test_int8_linear_is_exact_integer_math_and_each_row_the_same_at_any_row_count(shape, bias):
+    """The kernel against its math in fp64 (to fp32 rounding), close to the fp32 matmul; a row's bits
+    are the same alone and in any batch: 1..19 rows cover every grouping (8-row passes, then 7..1),
+    on one thread and on two."""
+    out_features, in_features = shape
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(out_features, in_features, generator=g)
+    scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(19, in_features, generator=g)
+    x[3] *= 50  # an outlier row quantizes on its own scale
+    x[6] = 0.0  # an all-zero row gives the bias, not NaN
+    packed = _pack_for_vnni(w, scale)
+    y = ops.int8_linear(x, packed, scale, b)
+    torch.testing.assert_close(y.double(), int8_reference(x, w, scale, b), rtol=1e-5, atol=1e-4)
+    exact = x @ w.T + (0 if b is None else b)
+    assert ((y - exact).norm() / exact.norm()) < 0.02
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for rows in range(1, 20):
+                for start in (0, 19 - rows):
+                    assert torch.equal(ops.int8_linear(x[start:start + rows], packed, scale, b), y[start:start + rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_vnni_int8
+def test_int8_linear_refuses_mismatched_shapes():
+    w = torch.randn(32, 64)
+    scale = w.abs().amax(1) / 127
+    packed = _pack_for_vnni(w, scale)
+    with pytest.raises(RuntimeError, match="packed weights take 64 inputs, x has 60"):
+        ops.int8_linear(torch.zeros(2, 60), packed, scale, None)
+    with pytest.raises(RuntimeError, match="w_scale must be"):
+        ops.int8_linear(torch.zeros(2, 64), packed, scale[:8], None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.int8_linear(torch.zeros(2, 64), packed, scale, torch.zeros(31))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.int8_linear(torch.zeros(2, 64, dtype=torch.float64), packed, scale, None)
+    assert ops.int8_linear(torch.zeros(0, 64), packed, scale, None).shape == (0, 32)
 
 
 def test_bad_calls_get_clear_errors():

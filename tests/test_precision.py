@@ -16,11 +16,22 @@ from tests.spec_helpers import random_drafter, tiny_target, with_gguf_blocks
 
 # bf16's kernels exist only on CPUs with AVX-512 or AVX-NE-CONVERT; elsewhere bf16 is refused, which
 # test_bf16_is_refused_where_the_cpu_has_no_kernels checks on every CPU.
-FAST = ["int8", pytest.param("bf16", marks=pytest.mark.skipif(
+FAST = ["int8", "int8-fbgemm", pytest.param("bf16", marks=pytest.mark.skipif(
     not prec.has_bf16_matmul(), reason="this CPU has no oneDNN bf16 kernels: bf16 is refused here")),
         *(pytest.param(name, marks=pytest.mark.skipif(
             not prec.has_gguf_matmul(), reason=f"no AVX2/FMA/F16C here: {name} is refused (tested below)"))
           for name in prec.GGUF_PRECISIONS)]
+
+
+@pytest.fixture
+def precision(request, monkeypatch):
+    """The precision a test runs (parametrized indirectly from FAST). int8-fbgemm is int8 on FBGEMM,
+    the kernel of CPUs without AVX-512 VNNI; int8 itself runs int8_matmul.cpp where they have it."""
+    monkeypatch.delenv("DSPARK_INT8_KERNEL", raising=False)
+    if request.param == "int8-fbgemm":
+        monkeypatch.setenv("DSPARK_INT8_KERNEL", "fbgemm")  # read when a linear is converted
+        return "int8"
+    return request.param
 
 
 def fast_linear(linear: nn.Linear, precision: str) -> nn.Module:
@@ -31,7 +42,7 @@ def fast_linear(linear: nn.Linear, precision: str) -> nn.Module:
     return prec.convert_linear(linear, precision)
 
 
-@pytest.mark.parametrize("precision", FAST)
+@pytest.mark.parametrize("precision", FAST, indirect=True)
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_rows_do_not_depend_on_their_batch(precision, bias):
     torch.manual_seed(0)
@@ -47,7 +58,7 @@ def test_linear_rows_do_not_depend_on_their_batch(precision, bias):
     assert ((together - reference).norm() / reference.norm()) < 0.02
 
 
-@pytest.mark.parametrize("precision", FAST)
+@pytest.mark.parametrize("precision", FAST, indirect=True)
 @pytest.mark.parametrize("shape", [(576, 576), (49152, 576), (576, 1536)])  # SmolLM2's o, LM head, down
 def test_a_row_keeps_its_bits_at_every_row_count(precision, shape):
     """Kernels switch algorithms by problem size (oneDNN on AMX does above 32 rows for some of these
@@ -61,11 +72,12 @@ def test_a_row_keeps_its_bits_at_every_row_count(precision, shape):
         assert torch.equal(fast(x[:rows])[:3], alone[:rows]), rows
 
 
-def test_int8_keeps_7_bit_activations_where_8_would_saturate():
+def test_int8_keeps_7_bit_activations_where_8_would_saturate(monkeypatch):
     torch.manual_seed(0)
     linear = nn.Linear(96, 200)
     x = torch.randn(17, 96)
     reference = linear(x)
+    monkeypatch.setenv("DSPARK_INT8_KERNEL", "fbgemm")  # FBGEMM, the kernel of CPUs without AVX-512 VNNI
     fast = prec.Int8Linear(linear)
     assert fast.reduce_range == (not prec.has_vnni())
     fast.reduce_range = True  # the non-VNNI path, on any CPU
@@ -168,7 +180,7 @@ def _logits_alone_and_batched(model, context: list[int], others: list[list[int]]
     return results
 
 
-@pytest.mark.parametrize("precision", FAST)
+@pytest.mark.parametrize("precision", FAST, indirect=True)
 def test_engine_pass_is_batch_invariant(precision):
     model = load_model(precision=precision).model  # the real default target
     g = torch.Generator().manual_seed(3)
@@ -179,7 +191,7 @@ def test_engine_pass_is_batch_invariant(precision):
         assert torch.equal(alone, batched)
 
 
-@pytest.mark.parametrize("precision", FAST)
+@pytest.mark.parametrize("precision", FAST, indirect=True)
 @pytest.mark.parametrize("kind", ["dspark", "eagle3"])
 def test_greedy_speculation_equals_plain_decoding_at_each_precision(precision, kind):
     target = with_gguf_blocks(tiny_target()) if precision in prec.GGUF_PRECISIONS else tiny_target()
@@ -196,7 +208,7 @@ def test_greedy_speculation_equals_plain_decoding_at_each_precision(precision, k
     assert sum(s.spec.metrics.draft_tokens for s in spec) > 0
 
 
-@pytest.mark.parametrize("precision", FAST[:2])
+@pytest.mark.parametrize("precision", FAST[:3], indirect=True)
 def test_a_drafters_lm_head_follows_its_precision_and_its_checkpoint_does_not_change(precision):
     """The draft LM head is a frozen buffer, not an nn.Linear: apply_precision still puts it on the
     precision's kernels (its logits then differ from fp32's by that precision's rounding only),
@@ -211,7 +223,7 @@ def test_a_drafters_lm_head_follows_its_precision_and_its_checkpoint_does_not_ch
     assert not any("draft_head" in key for key in drafter.state_dict())
 
 
-@pytest.mark.parametrize("precision", FAST)
+@pytest.mark.parametrize("precision", FAST, indirect=True)
 def test_a_verification_pass_gives_each_row_the_bits_of_plain_decoding(precision):
     """Speculation is lossless only if verifying a block computes each row exactly as decoding it
     one token at a time would: int8 activation quantization turns last-bit differences into
@@ -230,7 +242,7 @@ def test_a_verification_pass_gives_each_row_the_bits_of_plain_decoding(precision
     assert torch.equal(verified, decoded)
 
 
-@pytest.mark.parametrize("precision", FAST)
+@pytest.mark.parametrize("precision", FAST, indirect=True)
 def test_a_prompt_row_has_the_bits_of_the_same_row_decoded(precision):
     """A resumed request re-reads what it already streamed as part of one prompt: each of those
     rows must come out as it did when it was decoded, or the resumed answer could differ."""
@@ -246,7 +258,7 @@ def test_a_prompt_row_has_the_bits_of_the_same_row_decoded(precision):
     assert torch.equal(whole[50:], decoded)
 
 
-@pytest.mark.parametrize("precision", FAST)
+@pytest.mark.parametrize("precision", FAST, indirect=True)
 def test_a_pass_gives_the_same_bits_on_one_thread_and_on_two(precision):
     """The services run one thread each, a user's process as many as it has: a prompt's prefill and
     its decode rows must not depend on that, or the same request would answer differently. (fp32's

@@ -20,7 +20,7 @@ import torch
 from dspark.models.precision import cpu_flags
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "gguf_matmul.cpp", "gguf_q8_matmul.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "gguf_matmul.cpp", "gguf_q8_matmul.cpp", "int8_matmul.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 

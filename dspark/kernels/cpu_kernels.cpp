@@ -411,6 +411,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up, bool bf16_out) {
 
 void register_gguf_matmul(pybind11::module& m);     // gguf_matmul.cpp
 void register_gguf_q8_matmul(pybind11::module& m);  // gguf_q8_matmul.cpp
+void register_int8_matmul(pybind11::module& m);     // int8_matmul.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("cached_attention", &cached_attention, "attention of new rows over their slot's KV cache");
@@ -421,4 +422,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate|up output");
     register_gguf_matmul(m);
     register_gguf_q8_matmul(m);
+    register_int8_matmul(m);
 }

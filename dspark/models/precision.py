@@ -155,38 +155,68 @@ class GgufLinear(nn.Module):
 class Int8Linear(nn.Module):
     """y = x W^T + b with W int8 per output channel and x quantized per row (symmetric, 8 bits).
 
-    FBGEMM's dynamic linear picks one activation range for the whole batch. Each row is first
-    scaled to max |x| = 1 and a guard row holding +1 and -1 is appended, so that range is always
-    [-1, 1]: every row is quantized on its own scale, exactly as if it were alone. Without VNNI
-    the activations keep to 7 bits (FBGEMM's reduce_range), which would otherwise saturate.
+    On AVX-512 VNNI the matmul is dspark/kernels/int8_matmul.cpp: the weights stream from memory
+    once for up to 8 rows at a time, so a verification pass of 8 rows costs about a decode step.
+    Elsewhere it is FBGEMM's dynamic linear, which picks one activation range for the whole batch:
+    each row is first scaled to max |x| = 1 and a guard row holding +1 and -1 is appended, so that
+    range is always [-1, 1] and every row is quantized on its own scale, exactly as if it were
+    alone. Without VNNI FBGEMM keeps activations to 7 bits (reduce_range), which would otherwise
+    saturate.
     """
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         w = linear.weight.detach().float()
         scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
+        self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel = _int8_kernel()
+        if self.kernel is not None:
+            self.packed, self.w_scale = _pack_for_vnni(w, scale), scale.contiguous()
+            return
         with warnings.catch_warnings():  # FBGEMM's prepack takes only the (deprecated) qint8 tensor type
             warnings.simplefilter("ignore", UserWarning)
             qweight = torch.quantize_per_channel(w, scale.double(), torch.zeros(w.shape[0], dtype=torch.long), 0,
                                                  torch.qint8)
         with _quant_engine("fbgemm"):
             self.packed = torch.ops.quantized.linear_prepack(qweight, None)
-        self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.guard = torch.zeros(1, self.in_features)
         self.guard[0, 0], self.guard[0, -1] = 1.0, -1.0
         self.reduce_range = not has_vnni()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Few ops on purpose: at one row each costs as much as the matmul's own overhead. max |x| as
-        # abs().amax(): the same value as vector_norm(x, inf), which took 17-23x as long here (AVX-512
-        # EPYC: 99 vs 5.7 us at 56 x 576, 254 vs 11 us at 56 x 1536).
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        row_max = flat.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-12)
-        y = torch.ops.quantized.linear_dynamic(torch.cat([flat / row_max, self.guard]), self.packed,
-                                                self.reduce_range)[:-1]
-        y = y.mul_(row_max) if self.bias is None else torch.addcmul(self.bias, y, row_max)
+        if self.kernel is not None:
+            y = self.kernel(flat, self.packed, self.w_scale, self.bias)
+        else:
+            # Few ops on purpose: at one row each costs as much as the matmul's own overhead. max |x| as
+            # abs().amax(): the same value as vector_norm(x, inf), which took 17-23x as long here (AVX-512
+            # EPYC: 99 vs 5.7 us at 56 x 576, 254 vs 11 us at 56 x 1536).
+            row_max = flat.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-12)
+            y = torch.ops.quantized.linear_dynamic(torch.cat([flat / row_max, self.guard]), self.packed,
+                                                    self.reduce_range)[:-1]
+            y = y.mul_(row_max) if self.bias is None else torch.addcmul(self.bias, y, row_max)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+
+def _int8_kernel():
+    """int8_matmul.cpp's int8_linear where it runs (AVX-512 VNNI, C++ kernels on), else None: FBGEMM.
+    `DSPARK_INT8_KERNEL=fbgemm` keeps FBGEMM anywhere (benchmarks/engine_speed.py's int8-fbgemm)."""
+    if os.environ.get("DSPARK_INT8_KERNEL", "vnni") == "fbgemm":
+        return None
+    from dspark.kernels.cpu import kernels
+
+    module = kernels()
+    return module.int8_linear if module is not None and module.has_int8_linear() else None
+
+
+def _pack_for_vnni(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W [out, in] as int8_matmul.cpp reads it: unsigned bytes round(W / scale) + 128 in blocks of 16
+    outputs x 4 inputs, [ceil(out / 16)][ceil(in / 4)][16][4], padded with zero weights (byte 128)."""
+    out_features, in_features = w.shape
+    q = torch.full((-(-out_features // 16) * 16, -(-in_features // 4) * 4), 128, dtype=torch.int16)
+    q[:out_features, :in_features] += torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int16)
+    return q.to(torch.uint8).view(q.shape[0] // 16, 16, q.shape[1] // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
 class Bf16Linear(nn.Module):
