@@ -11,6 +11,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "release_gil.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>  // the AVX-512 paths below; elsewhere the portable loops, vectorized by the compiler
 #endif
@@ -414,12 +416,12 @@ void register_gguf_q8_matmul(pybind11::module& m);  // gguf_q8_matmul.cpp
 void register_int8_matmul(pybind11::module& m);     // int8_matmul.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("cached_attention", &cached_attention, "attention of new rows over their slot's KV cache");
-    m.def("rms_norm", &rms_norm, "RMSNorm of each row (float32)");
+    m.def("cached_attention", &cached_attention, kReleaseGil, "attention of new rows over their slot's KV cache");
+    m.def("rms_norm", &rms_norm, kReleaseGil, "RMSNorm of each row (float32)");
     m.def("rope_cache_attention", &rope_cache_attention,
-          "rotate q|k, write k and v into the cache, attend: a layer's attention after its q|k|v matmul");
-    m.def("add_rms_norm", &add_rms_norm, "x += delta in place, then RMSNorm of x (float32 or bfloat16 out)");
-    m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate|up output");
+          kReleaseGil, "rotate q|k, write k and v into the cache, attend: a layer's attention after its q|k|v matmul");
+    m.def("add_rms_norm", &add_rms_norm, kReleaseGil, "x += delta in place, then RMSNorm of x (float32 or bfloat16 out)");
+    m.def("silu_mul", &silu_mul, kReleaseGil, "silu(gate) * up of a fused gate|up output");
     register_gguf_matmul(m);
     register_gguf_q8_matmul(m);
     register_int8_matmul(m);

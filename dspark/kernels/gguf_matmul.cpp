@@ -16,6 +16,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "release_gil.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -229,6 +231,6 @@ torch::Tensor gguf_dequantize(torch::Tensor, int64_t, int64_t) {
 #endif
 
 void register_gguf_matmul(pybind11::module& m) {
-    m.def("gguf_linear", &gguf_linear, "x W^T with W in GGUF Q4_1 / Q8_0 blocks, batch-invariant fp32 math");
-    m.def("gguf_dequantize", &gguf_dequantize, "the fp32 weights the blocks hold (what gguf_linear multiplies by)");
+    m.def("gguf_linear", &gguf_linear, kReleaseGil, "x W^T with W in GGUF Q4_1 / Q8_0 blocks, batch-invariant fp32 math");
+    m.def("gguf_dequantize", &gguf_dequantize, kReleaseGil, "the fp32 weights the blocks hold (what gguf_linear multiplies by)");
 }

@@ -16,6 +16,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "release_gil.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -168,5 +170,5 @@ torch::Tensor gguf_linear_q8(torch::Tensor, torch::Tensor, int64_t) {
 
 void register_gguf_q8_matmul(pybind11::module& m) {
     m.def("gguf_linear_q8", &gguf_linear_q8,
-          "x W^T with W in GGUF Q4_1 / Q8_0 blocks and x as 8-bit blocks of 32, batch-invariant");
+          kReleaseGil, "x W^T with W in GGUF Q4_1 / Q8_0 blocks and x as 8-bit blocks of 32, batch-invariant");
 }

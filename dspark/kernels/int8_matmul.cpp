@@ -20,6 +20,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "release_gil.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -186,6 +188,6 @@ bool has_int8_linear() { return false; }
 #endif
 
 void register_int8_matmul(pybind11::module& m) {
-    m.def("int8_linear", &int8_linear, "x W^T + b, W packed int8 per channel, x int8 per row, AVX-512 VNNI, batch-invariant");
+    m.def("int8_linear", &int8_linear, kReleaseGil, "x W^T + b, W packed int8 per channel, x int8 per row, AVX-512 VNNI, batch-invariant");
     m.def("has_int8_linear", &has_int8_linear, "whether int8_linear was built for this CPU");
 }
