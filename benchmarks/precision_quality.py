@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts-per-dataset", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--precisions", default="bf16,int8")
+    ap.add_argument("--precisions", default="bf16,int8", help="comma-separated; int8-fbgemm = int8 on FBGEMM")
     ap.add_argument("--eval-dir", type=Path, default=EVAL_DIR)
     args = ap.parse_args()
     configure_threads()
@@ -58,7 +59,9 @@ def main():
 
     models = {"fp32": reference.model}
     for precision in args.precisions.split(","):
-        models[precision] = load_model(precision=precision).model
+        # int8-fbgemm: int8 on FBGEMM's kernel (CPUs without AVX-512 VNNI), read when the model is built
+        os.environ["DSPARK_INT8_KERNEL"] = "fbgemm" if precision == "int8-fbgemm" else "vnni"
+        models[precision] = load_model(precision=precision.removesuffix("-fbgemm")).model
     table = {}
     for name, pairs in texts.items():
         for precision, model in models.items():
