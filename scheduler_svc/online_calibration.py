@@ -47,16 +47,16 @@ class OnlineCalibrator:
         self._refused: set[str] = set()
 
     # ---- request path ----------------------------------------------------------------------
-    def add(self, drafter_version: str, conf_logits: np.ndarray, accepted_len, verified_len) -> None:
-        """One step report: conf_logits [R, gamma] raw, lengths [R]."""
+    def add(self, drafter_version: str, conf_logits: np.ndarray, accepted_len, verified_len, reports: int = 1) -> None:
+        """The rows of `reports` step reports: conf_logits [R, gamma] raw, lengths [R]."""
         gamma = conf_logits.shape[1]
         delta = self._delta.get(drafter_version)
         if delta is None or delta.gamma != gamma:
             delta = self._delta[drafter_version] = OnlineCalibrationStats(gamma)
             self._delta_reports[drafter_version] = 0
         delta.add(conf_logits, np.asarray(accepted_len), np.asarray(verified_len))
-        self._delta_reports[drafter_version] += 1
-        metrics.CALIBRATION_REPORTS.inc()
+        self._delta_reports[drafter_version] += reports
+        metrics.CALIBRATION_REPORTS.inc(reports)
 
     def calibration(self, drafter_version: str) -> load_pb2.Calibration | None:
         fit = self.fits.get(drafter_version)

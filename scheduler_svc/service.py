@@ -23,7 +23,7 @@ from dspark.serving.config import aio_channel
 from dspark.serving.guard import caller_identity
 from dspark.serving.requests import RequestError, check_request
 from dspark.wire import WireError, tensor_from_proto
-from scheduler_svc.budget_planner import BudgetPlanner
+from scheduler_svc.budget_planner import POOLED_REPORTS, BudgetPlanner
 from scheduler_svc.online_calibration import OnlineCalibrator
 from scheduler_svc.registry import Registry
 from scheduler_svc.verifier_binding import caller_refusal, peer_host, registration_refusal
@@ -278,38 +278,67 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
 
     async def ReportStep(self, request, context):
-        known = self.registry.by_id(request.verifier_id)
+        return await self._report(request.verifier_id, request.drafter_version, [request], context)
+
+    async def ReportSteps(self, request, context):
+        steps = list(request.steps)
+        if not steps:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no steps")
+        if any((s.verifier_id, s.drafter_version) != (steps[0].verifier_id, steps[0].drafter_version) for s in steps):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "steps of one verifier and drafter version only")
+        return await self._report(steps[0].verifier_id, steps[0].drafter_version, steps, context)
+
+    async def _report(self, verifier_id: str, drafter_version: str, steps: list, context):
+        """Steps of one verifier, oldest first: their outcomes, their times, their newest confidences."""
+        known = self.registry.by_id(verifier_id)
         if known is not None:  # unknown = registered at another replica moments ago: not ours to judge yet
             await self._check_caller(known, context)
         known = known or {}
-        if request.verified_len:
-            counts = {"steps": 1, "drafts": len(request.verified_len), "verified": sum(request.verified_len),
-                      "accepted": sum(request.accepted_len)}
-            self.registry.background(self.registry.store.add_outcomes(request.drafter_version or "none", counts))
         try:
-            conf = step_confidences(request.confidence_logits, request.accepted_len, request.verified_len) \
-                if request.HasField("confidence_logits") else None
-            checked = step_confidences(request.checked_confidence_logits, request.checked_accepted_len,
-                                       request.checked_verified_len) \
-                if request.HasField("checked_confidence_logits") else None
+            confs = [step_confidences(s.confidence_logits, s.accepted_len, s.verified_len)
+                     if s.HasField("confidence_logits") else None for s in steps]
+            # Outcomes: each step's verified drafts, then earlier unverified ones the target has decided since.
+            outcomes = []
+            for s, conf in zip(steps, confs):
+                outcomes.append((conf, s.accepted_len, s.verified_len))
+                if s.HasField("checked_confidence_logits"):
+                    outcomes.append((step_confidences(s.checked_confidence_logits, s.checked_accepted_len,
+                                                      s.checked_verified_len),
+                                     s.checked_accepted_len, s.checked_verified_len))
         except WireError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"confidence logits: {error}")
-        temperatures = self._temperatures(request.drafter_version)
-        # Outcomes: this step's verified drafts, and earlier unverified ones the target has decided since.
-        for logits, accepted, verified in ((conf, request.accepted_len, request.verified_len),
-                                           (checked, request.checked_accepted_len, request.checked_verified_len)):
-            if logits is None or not any(verified):
-                continue
-            if self.calibrator is not None and request.drafter_version:
-                self.calibrator.add(request.drafter_version, logits, accepted, verified)
-            self.planner.learn(request.verifier_id, logits, temperatures, accepted, verified)
-        self.planner.observe_step(request.verifier_id, request.batch_size, request.batch_tokens,
-                                  request.step_latency_s, any(request.verified_len), known.get("sps", []),
-                                  known.get("draft_cost", []))
-        if conf is not None:
-            self.planner.on_report(request.verifier_id, request.step, conf, temperatures, known.get("sps", []),
-                                   known.get("draft_cost", []))
-        return self._decision(request.verifier_id, request.drafter_version)
+        self._count_outcomes(drafter_version, steps)
+        self._learn(verifier_id, drafter_version, [o for o in outcomes if o[0] is not None and any(o[2])])
+        temperatures = self._temperatures(drafter_version)
+        sps, draft_cost = known.get("sps", []), known.get("draft_cost", [])
+        for s in steps:
+            self.planner.observe_step(verifier_id, s.batch_size, s.batch_tokens, s.step_latency_s, any(s.verified_len),
+                                      sps, draft_cost)
+        # The budget pools the newest POOLED_REPORTS reports' confidences: older ones would be pushed out.
+        for s, conf in [(s, conf) for s, conf in zip(steps, confs) if conf is not None][-POOLED_REPORTS:]:
+            self.planner.on_report(verifier_id, s.step, conf, temperatures, sps, draft_cost)
+        return self._decision(verifier_id, drafter_version)
+
+    def _count_outcomes(self, drafter_version: str, steps: list) -> None:
+        drafted = [s for s in steps if s.verified_len]
+        if drafted:
+            counts = {"steps": len(drafted), "drafts": sum(len(s.verified_len) for s in drafted),
+                      "verified": sum(sum(s.verified_len) for s in drafted),
+                      "accepted": sum(sum(s.accepted_len) for s in drafted)}
+            self.registry.background(self.registry.store.add_outcomes(drafter_version or "none", counts))
+
+    def _learn(self, verifier_id: str, drafter_version: str, outcomes: list) -> None:
+        """Decided drafts of several steps at once: the calibration's histograms and the live offset's
+        window keep rows, so rows of several steps together land where step by step would."""
+        temperatures = self._temperatures(drafter_version)
+        for gamma in dict.fromkeys(logits.shape[1] for logits, _, _ in outcomes):  # one drafter: one gamma
+            group = [o for o in outcomes if o[0].shape[1] == gamma]
+            logits = np.concatenate([o[0] for o in group])
+            accepted = [a for _, acc, _ in group for a in acc]
+            verified = [v for _, _, ver in group for v in ver]
+            if self.calibrator is not None and drafter_version:
+                self.calibrator.add(drafter_version, logits, accepted, verified, reports=len(group))
+            self.planner.learn(verifier_id, logits, temperatures, accepted, verified)
 
 
 def step_confidences(logits, accepted_len, verified_len) -> np.ndarray:

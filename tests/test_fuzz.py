@@ -97,6 +97,8 @@ def valid_messages(cluster) -> list[tuple[str, str, str, bytes]]:
         ("internal", "/dspark.v1.Scheduler/Heartbeat", "unary_unary",
          scheduler_pb2.HeartbeatRequest(load=load).SerializeToString()),
         ("internal", "/dspark.v1.Scheduler/ReportStep", "unary_unary", report.SerializeToString()),
+        ("internal", "/dspark.v1.Scheduler/ReportSteps", "unary_unary",
+         scheduler_pb2.StepReports(steps=[report, report]).SerializeToString()),
         ("verifier", "/dspark.v1.Verifier/Generate", "unary_stream",
          verifier_pb2.RoutedGenerateRequest(request=request, resume=verifier_pb2.ResumeInfo(
              streamed_token_ids=[8], streamed_text="w8")).SerializeToString()),
@@ -204,6 +206,7 @@ MESSAGE_CLASSES = {
     "/dspark.v1.Scheduler/RegisterVerifier": scheduler_pb2.RegisterVerifierRequest,
     "/dspark.v1.Scheduler/Heartbeat": scheduler_pb2.HeartbeatRequest,
     "/dspark.v1.Scheduler/ReportStep": scheduler_pb2.StepReport,
+    "/dspark.v1.Scheduler/ReportSteps": scheduler_pb2.StepReports,
     "/dspark.v1.Verifier/Generate": verifier_pb2.RoutedGenerateRequest,
     "/dspark.v1.Verifier/GenerateMany": verifier_pb2.StreamCommand,
     "/dspark.v1.Verifier/SetVerifyBudget": load_pb2.BudgetDecision,

@@ -281,6 +281,52 @@ def test_checked_outcomes_move_the_verifiers_offset_and_bad_ones_are_refused(sch
         channel.close()
 
 
+def test_steps_reported_in_one_call_teach_what_step_by_step_reports_do(schedulers):
+    """The verifier sends every step since its last flush in one ReportSteps call. The same traffic,
+    step by step to one verifier id and in calls of five steps to another (checked outcomes
+    included), leaves both with the same live offset, and both get a budget (a call's newest
+    reports are calibrated at the offset after the whole call, so the budgets may differ a little);
+    a call mixing two verifiers, or of no steps, is INVALID_ARGUMENT and the scheduler keeps serving."""
+    from test_calibration import shifted_traffic
+
+    from dspark.wire import tensor_to_proto
+
+    address, port = schedulers[0]
+    channel = internal_channel(internal_address(address))
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    z, accepted, verified = shifted_traffic(seed=11, shift=-1.0, num=240)
+
+    def steps(verifier_id: str) -> list[scheduler_pb2.StepReport]:
+        out = []
+        for step, rows in enumerate(np.array_split(np.arange(len(z)), 20)):
+            msg = report(verifier_id, step, z[rows], accepted[rows], verified[rows])
+            if step % 3 == 0:  # some steps also carry earlier drafts checked since
+                msg.checked_confidence_logits.CopyFrom(tensor_to_proto(torch.tensor(z[rows][:2], dtype=torch.float32)))
+                msg.checked_verified_len.extend(int(v) for v in verified[rows][:2])
+                msg.checked_accepted_len.extend(int(a) for a in accepted[rows][:2])
+            out.append(msg)
+        return out
+
+    try:
+        register(stub, "one-by-one")
+        register(stub, "batched")
+        singles = [stub.ReportStep(msg, timeout=RPC_S) for msg in steps("one-by-one")]
+        batched = steps("batched")
+        calls = [stub.ReportSteps(scheduler_pb2.StepReports(steps=batched[i:i + 5]), timeout=RPC_S)
+                 for i in range(0, len(batched), 5)]
+        metrics = scrape(port)
+        one, many = (gauge(metrics, "dspark_live_confidence_offset", verifier_id=v) for v in ("one-by-one", "batched"))
+        assert one is not None and one < -0.3 and one == pytest.approx(many, abs=1e-9)
+        assert singles[-1].decided and calls[-1].decided
+        for bad in (scheduler_pb2.StepReports(steps=[batched[0], steps("one-by-one")[1]]), scheduler_pb2.StepReports()):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ReportSteps(bad, timeout=RPC_S)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert stub.ReportSteps(scheduler_pb2.StepReports(steps=batched[:1]), timeout=RPC_S).decided
+    finally:
+        channel.close()
+
+
 def test_a_report_that_lands_during_a_flush_is_in_the_next_refit(redis_server):
     """A report that arrives while the calibrator's tick waits on Redis goes out with the next
     flush, and that tick refits on it: the fit ends up on every report, with no later traffic."""

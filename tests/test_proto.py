@@ -47,7 +47,7 @@ def test_every_service_has_its_methods():
         generation_pb2: ("dspark.v1.Generation", {"Generate", "ListModels"}),
         drafter_pb2: ("dspark.v1.Drafter", {"DraftStream", "DrafterInfo"}),
         verifier_pb2: ("dspark.v1.Verifier", {"Generate", "GenerateMany", "SetVerifyBudget", "GetLoad"}),
-        scheduler_pb2: ("dspark.v1.Scheduler", {"RegisterVerifier", "Heartbeat", "ReportStep"}),
+        scheduler_pb2: ("dspark.v1.Scheduler", {"RegisterVerifier", "Heartbeat", "ReportStep", "ReportSteps"}),
     }
     for module, (full_name, methods) in expected.items():
         (service,) = module.DESCRIPTOR.services_by_name.values()
@@ -64,6 +64,7 @@ def test_every_service_has_its_methods():
     assert streams["dspark.v1.Verifier.GenerateMany"] == (True, True)
     assert streams["dspark.v1.Drafter.DraftStream"] == (True, True)
     assert streams["dspark.v1.Scheduler.ReportStep"] == (False, False)
+    assert streams["dspark.v1.Scheduler.ReportSteps"] == (False, False)
     for stubs in (generation_pb2_grpc, drafter_pb2_grpc, verifier_pb2_grpc, scheduler_pb2_grpc):
         assert any(name.endswith("Stub") for name in dir(stubs))
 

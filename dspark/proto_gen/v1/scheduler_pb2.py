@@ -26,7 +26,7 @@ from . import load_pb2 as dspark_dot_v1_dot_load__pb2
 from . import tensor_pb2 as dspark_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64spark/v1/scheduler.proto\x12\tdspark.v1\x1a\x14\x64spark/v1/load.proto\x1a\x16\x64spark/v1/tensor.proto\"\xcb\x01\n\x17RegisterVerifierRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0c\x64rafter_kind\x18\x03 \x01(\t\x12\x17\n\x0f\x64rafter_version\x18\x04 \x01(\t\x12\r\n\x05gamma\x18\x05 \x01(\r\x12%\n\x04load\x18\x06 \x01(\x0b\x32\x17.dspark.v1.VerifierLoad\x12+\n\x10sts_temperatures\x18\x07 \x01(\x0b\x32\x11.dspark.v1.Tensor\"9\n\x10HeartbeatRequest\x12%\n\x04load\x18\x01 \x01(\x0b\x32\x17.dspark.v1.VerifierLoad\"\xf3\x02\n\nStepReport\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x04 \x01(\r\x12\x16\n\x0estep_latency_s\x18\x05 \x01(\x02\x12\x17\n\x0f\x64rafter_version\x18\x06 \x01(\t\x12\x1b\n\x13\x63\x61libration_version\x18\x07 \x01(\x04\x12,\n\x11\x63onfidence_logits\x18\x08 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x14\n\x0cverified_len\x18\t \x03(\r\x12\x14\n\x0c\x61\x63\x63\x65pted_len\x18\n \x03(\r\x12\x34\n\x19\x63hecked_confidence_logits\x18\x0b \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x1c\n\x14\x63hecked_verified_len\x18\x0c \x03(\r\x12\x1c\n\x14\x63hecked_accepted_len\x18\r \x03(\r2\xe3\x01\n\tScheduler\x12Q\n\x10RegisterVerifier\x12\".dspark.v1.RegisterVerifierRequest\x1a\x19.dspark.v1.BudgetDecision\x12\x43\n\tHeartbeat\x12\x1b.dspark.v1.HeartbeatRequest\x1a\x19.dspark.v1.BudgetDecision\x12>\n\nReportStep\x12\x15.dspark.v1.StepReport\x1a\x19.dspark.v1.BudgetDecisionb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64spark/v1/scheduler.proto\x12\tdspark.v1\x1a\x14\x64spark/v1/load.proto\x1a\x16\x64spark/v1/tensor.proto\"\xcb\x01\n\x17RegisterVerifierRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0c\x64rafter_kind\x18\x03 \x01(\t\x12\x17\n\x0f\x64rafter_version\x18\x04 \x01(\t\x12\r\n\x05gamma\x18\x05 \x01(\r\x12%\n\x04load\x18\x06 \x01(\x0b\x32\x17.dspark.v1.VerifierLoad\x12+\n\x10sts_temperatures\x18\x07 \x01(\x0b\x32\x11.dspark.v1.Tensor\"9\n\x10HeartbeatRequest\x12%\n\x04load\x18\x01 \x01(\x0b\x32\x17.dspark.v1.VerifierLoad\"3\n\x0bStepReports\x12$\n\x05steps\x18\x01 \x03(\x0b\x32\x15.dspark.v1.StepReport\"\xf3\x02\n\nStepReport\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x04 \x01(\r\x12\x16\n\x0estep_latency_s\x18\x05 \x01(\x02\x12\x17\n\x0f\x64rafter_version\x18\x06 \x01(\t\x12\x1b\n\x13\x63\x61libration_version\x18\x07 \x01(\x04\x12,\n\x11\x63onfidence_logits\x18\x08 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x14\n\x0cverified_len\x18\t \x03(\r\x12\x14\n\x0c\x61\x63\x63\x65pted_len\x18\n \x03(\r\x12\x34\n\x19\x63hecked_confidence_logits\x18\x0b \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x1c\n\x14\x63hecked_verified_len\x18\x0c \x03(\r\x12\x1c\n\x14\x63hecked_accepted_len\x18\r \x03(\r2\xa5\x02\n\tScheduler\x12Q\n\x10RegisterVerifier\x12\".dspark.v1.RegisterVerifierRequest\x1a\x19.dspark.v1.BudgetDecision\x12\x43\n\tHeartbeat\x12\x1b.dspark.v1.HeartbeatRequest\x1a\x19.dspark.v1.BudgetDecision\x12>\n\nReportStep\x12\x15.dspark.v1.StepReport\x1a\x19.dspark.v1.BudgetDecision\x12@\n\x0bReportSteps\x12\x16.dspark.v1.StepReports\x1a\x19.dspark.v1.BudgetDecisionb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,8 +37,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERVERIFIERREQUEST']._serialized_end=290
   _globals['_HEARTBEATREQUEST']._serialized_start=292
   _globals['_HEARTBEATREQUEST']._serialized_end=349
-  _globals['_STEPREPORT']._serialized_start=352
-  _globals['_STEPREPORT']._serialized_end=723
-  _globals['_SCHEDULER']._serialized_start=726
-  _globals['_SCHEDULER']._serialized_end=953
+  _globals['_STEPREPORTS']._serialized_start=351
+  _globals['_STEPREPORTS']._serialized_end=402
+  _globals['_STEPREPORT']._serialized_start=405
+  _globals['_STEPREPORT']._serialized_end=776
+  _globals['_SCHEDULER']._serialized_start=779
+  _globals['_SCHEDULER']._serialized_end=1072
 # @@protoc_insertion_point(module_scope)

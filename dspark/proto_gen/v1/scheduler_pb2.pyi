@@ -32,6 +32,12 @@ class HeartbeatRequest(_message.Message):
     load: _load_pb2.VerifierLoad
     def __init__(self, load: _Optional[_Union[_load_pb2.VerifierLoad, _Mapping]] = ...) -> None: ...
 
+class StepReports(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[StepReport]
+    def __init__(self, steps: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ...) -> None: ...
+
 class StepReport(_message.Message):
     __slots__ = ("verifier_id", "step", "batch_size", "batch_tokens", "step_latency_s", "drafter_version", "calibration_version", "confidence_logits", "verified_len", "accepted_len", "checked_confidence_logits", "checked_verified_len", "checked_accepted_len")
     VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -50,6 +50,11 @@ class SchedulerStub:
                 request_serializer=dspark_dot_v1_dot_scheduler__pb2.StepReport.SerializeToString,
                 response_deserializer=dspark_dot_v1_dot_load__pb2.BudgetDecision.FromString,
                 _registered_method=True)
+        self.ReportSteps = channel.unary_unary(
+                '/dspark.v1.Scheduler/ReportSteps',
+                request_serializer=dspark_dot_v1_dot_scheduler__pb2.StepReports.SerializeToString,
+                response_deserializer=dspark_dot_v1_dot_load__pb2.BudgetDecision.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -73,6 +78,14 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportSteps(self, request, context):
+        """The steps a verifier ran since its last report, in step order, in one call: at ~100 drafted
+        steps a second a call per step cost a 2-core host 12% of its speculative decoding speed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +102,11 @@ def add_SchedulerServicer_to_server(servicer, server):
             'ReportStep': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportStep,
                     request_deserializer=dspark_dot_v1_dot_scheduler__pb2.StepReport.FromString,
+                    response_serializer=dspark_dot_v1_dot_load__pb2.BudgetDecision.SerializeToString,
+            ),
+            'ReportSteps': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportSteps,
+                    request_deserializer=dspark_dot_v1_dot_scheduler__pb2.StepReports.FromString,
                     response_serializer=dspark_dot_v1_dot_load__pb2.BudgetDecision.SerializeToString,
             ),
     }
@@ -172,6 +190,33 @@ class Scheduler:
             target,
             '/dspark.v1.Scheduler/ReportStep',
             dspark_dot_v1_dot_scheduler__pb2.StepReport.SerializeToString,
+            dspark_dot_v1_dot_load__pb2.BudgetDecision.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dspark.v1.Scheduler/ReportSteps',
+            dspark_dot_v1_dot_scheduler__pb2.StepReports.SerializeToString,
             dspark_dot_v1_dot_load__pb2.BudgetDecision.FromString,
             options,
             channel_credentials,
