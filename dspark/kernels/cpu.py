@@ -20,7 +20,8 @@ import torch
 from dspark.models.precision import cpu_flags
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "gguf_matmul.cpp", "gguf_q8_matmul.cpp", "int8_matmul.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("cpu_kernels.cpp", "gguf_matmul.cpp", "gguf_q8_matmul.cpp", "int8_matmul.cpp")]
 HEADERS = [Path(__file__).with_name("release_gil.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -30,8 +31,9 @@ def _build_dir() -> Path:
     # The source's path and the interpreter too: build.ninja names both, so two checkouts (a
     # training worktree beside the main one) sharing a directory would rebuild in turn, each
     # waiting on the other's lock.
-    for part in (*(s.read_bytes() for s in SOURCES + HEADERS), torch.__version__.encode(), " ".join(sorted(cpu_flags())).encode(),
-                 " ".join(FLAGS).encode(), *(str(s.resolve()).encode() for s in SOURCES), sys.executable.encode()):
+    for part in (*(s.read_bytes() for s in SOURCES + HEADERS), torch.__version__.encode(),
+                 " ".join(sorted(cpu_flags())).encode(), " ".join(FLAGS).encode(),
+                 *(str(s.resolve()).encode() for s in SOURCES), sys.executable.encode()):
         key.update(part)
     root = Path(os.environ.get("DSPARK_KERNEL_CACHE", Path.home() / ".cache" / "dspark" / "kernels"))
     path = root / key.hexdigest()[:16]
