@@ -5,8 +5,8 @@
 // rows it runs out of compute before memory (measured on a Zen 4: all of SmolLM2's linears, weights
 // from DRAM, 11.2 ms at 1 row, 20.0 at 8, 58.9 at 32), so a verification pass of 8 rows cost 1.6x a
 // decode step. Here one 64-byte weight load feeds a VPDPBUSD for every row of the call (up to 8 rows,
-// 16 outputs x 4 inputs each), so the weights stream from memory once and 8 rows cost about what one
-// does while the bus, not the multipliers, is the limit.
+// 16 outputs x 4 inputs each), so the weights stream from memory once a call: the same linears 5.5 ms
+// at 1 row, 11.0 at 8, 34.1 at 32 (docs/results.md, session 20).
 //
 // Layout: weights as unsigned bytes w + 128 in blocks of 16 outputs, 4 inputs innermost
 // ([N / 16][K / 4][16][4]), the operand VPDPBUSD takes as unsigned; a row's int8 activations are the
@@ -82,8 +82,8 @@ struct Int8Rows {
 template <int R, int B>
 inline void tile(const Int8Rows& x, int64_t row0, int64_t k_len, const uint8_t* w, int64_t block_bytes,
                  const float* w_scale, const float* bias, float* y, int64_t n_out, int valid) {
-    // One flat array, every loop fully unrolled: GCC then keeps all R x B sums in registers (with a
-    // 2-D array it spilled them to the stack each step, at a third of the speed).
+    // A flat array of sums and every loop fully unrolled keep the 8 x 2 sums in registers (8 x 3 sums,
+    // 24 of the 32 registers, made GCC spill sums to the stack every step).
     __m512i acc[R * B];
 #pragma GCC unroll 32
     for (int i = 0; i < R * B; ++i) acc[i] = _mm512_setzero_si512();
