@@ -8,8 +8,9 @@ multiplies the same blocks by each row of activations rounded to 8-bit blocks of
 (dspark/kernels/gguf_q8_matmul.cpp: integer dot products, llama.cpp's math, no fp32 dequantization:
 1.7x gguf's decoding speed on an AVX2 EPYC, 98% top-1 agreement with fp32). `bf16`
 stores weights in bf16 and runs them on oneDNN prepacked kernels (AMX where the CPU has it).
-`int8` stores weights int8 per output channel (FBGEMM, VNNI) with activations quantized per row,
-so a row's result never depends on the other rows of its batch. `auto` picks by what the CPU
+`int8` stores weights int8 per output channel with activations quantized per row, so a row's
+result never depends on the other rows of its batch: dspark/kernels/int8_matmul.cpp on AVX-512 VNNI
+(the weights read once for up to 8 rows), FBGEMM elsewhere. `auto` picks by what the CPU
 has: bf16 on AMX-BF16, else int8 on AVX-512 VNNI / AVX-VNNI, else gguf-q8 on AVX2 (fp32 where a
 module has no GGUF blocks), else fp32
 (docs/results.md has the measurements behind the rule).
