@@ -308,8 +308,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         except WireError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"confidence logits: {error}")
         self._count_outcomes(drafter_version, steps)
-        self._learn(verifier_id, drafter_version, [o for o in outcomes if o[0] is not None and any(o[2])])
         temperatures = self._temperatures(drafter_version)
+        self._learn(verifier_id, drafter_version, temperatures, [o for o in outcomes if o[0] is not None and any(o[2])])
         sps, draft_cost = known.get("sps", []), known.get("draft_cost", [])
         for s in steps:
             self.planner.observe_step(verifier_id, s.batch_size, s.batch_tokens, s.step_latency_s, any(s.verified_len),
@@ -327,10 +327,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                       "accepted": sum(sum(s.accepted_len) for s in drafted)}
             self.registry.background(self.registry.store.add_outcomes(drafter_version or "none", counts))
 
-    def _learn(self, verifier_id: str, drafter_version: str, outcomes: list) -> None:
+    def _learn(self, verifier_id: str, drafter_version: str, temperatures, outcomes: list) -> None:
         """Decided drafts of several steps at once: the calibration's histograms and the live offset's
         window keep rows, so rows of several steps together land where step by step would."""
-        temperatures = self._temperatures(drafter_version)
         for gamma in dict.fromkeys(logits.shape[1] for logits, _, _ in outcomes):  # one drafter: one gamma
             group = [o for o in outcomes if o[0].shape[1] == gamma]
             logits = np.concatenate([o[0] for o in group])

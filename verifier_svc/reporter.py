@@ -97,8 +97,7 @@ class SchedulerReporter:
                 batch = [self.reports.popleft() for _ in range(len(self.reports))]
                 for version in dict.fromkeys(item[2] for item in batch):  # one drafter version, but for a swap
                     steps = [self._step_proto(*item) for item in batch if item[2] == version]
-                    # One call for every step since the last flush: a call per step cost the engine
-                    # thread the GIL and a 2-core host the scheduler's CPU, 12% of speculative speed.
+                    # One call for every step since the last flush (a call per step: see the module doc).
                     decision = await self.stub.ReportSteps(scheduler_pb2.StepReports(steps=steps), timeout=1.0)
                     self.on_decision(decision)  # the budget from the newest confidences, newest temperatures
             except grpc.aio.AioRpcError as error:
