@@ -34,12 +34,15 @@ def test_cached_attention_matches_sdpa_and_ignores_the_rest_of_the_batch(dtype, 
     g = torch.Generator().manual_seed(0)
     kc = torch.randn(3, kv_heads, 200, head_dim, generator=g).to(dtype)
     vc = torch.randn(3, kv_heads, 200, head_dim, generator=g).to(dtype)
-    q = torch.randn(7, heads, head_dim, generator=g)
-    slots = torch.tensor([2, 2, 2, 0, 1, 1, 0])
-    positions = torch.tensor([150, 151, 152, 0, 17, 18, 63])
+    # A verified block of 9 rows of slot 2 (its rows share the reads of each key, in groups), lone
+    # rows, and a run of slot 1; key counts on both sides of 16-key boundaries.
+    slots = torch.tensor([2] * 9 + [0, 1, 1, 0])
+    positions = torch.tensor([143 + i for i in range(9)] + [0, 15, 16, 63])
+    q = torch.randn(len(slots), heads, head_dim, generator=g)
     out = ops.cached_attention(q, kc, vc, slots, positions)
     torch.testing.assert_close(out, reference_attention(q, kc, vc, slots, positions), rtol=1e-5, atol=2e-6)
-    alone = torch.cat([ops.cached_attention(q[r:r + 1], kc, vc, slots[r:r + 1], positions[r:r + 1]) for r in range(7)])
+    alone = torch.cat([ops.cached_attention(q[r:r + 1], kc, vc, slots[r:r + 1], positions[r:r + 1])
+                       for r in range(len(slots))])
     assert torch.equal(out, alone)
 
 

@@ -1,13 +1,13 @@
-// CPU kernels of a decoding pass: attention of new rows over their slot's KV cache, one (row, KV
-// head) per task; the residual add + RMSNorm and SwiGLU steps between a layer's matmuls.
+// CPU kernels of a decoding pass: attention of new rows over their slot's KV cache; the residual
+// add + RMSNorm and SwiGLU steps between a layer's matmuls.
 //
 // Why by hand: SDPA's CPU kernel gives a row different bits depending on how many rows share the
 // call and on the thread count (seen on AMD Zen 4), so the engine used to run every row as its own
-// SDPA batch entry on one thread: exact, but 10 ms of a 36 ms verification pass of 8 rows. Here a
-// task computes one row's one query head from start to end in a fixed order of operations, on one
-// thread: its bits depend on nothing but its own query, position and cache, so a verified row is
-// exactly the row decoding would have computed, at any batch and thread count, and the tasks of
-// a pass spread over every core.
+// SDPA batch entry on one thread: exact, but 10 ms of a 36 ms verification pass of 8 rows. Here every
+// (row, query head) is computed from start to end in a fixed order of operations on one thread: its
+// bits depend on nothing but its own query, position and cache, so a verified row is exactly the row
+// decoding would have computed, at any batch and thread count. A task takes one KV head and a few
+// rows of one slot (a verified block), which share each key and value they read.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -17,6 +17,7 @@
 #include <immintrin.h>  // the AVX-512 paths below; elsewhere the portable loops, vectorized by the compiler
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -25,6 +26,7 @@
 namespace {
 
 constexpr int LANES = 16;  // one AVX-512 register of floats; two AVX2 ones
+constexpr int kMaxHeadsTogether = 16;  // query heads of one KV head an attention task computes at once
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -88,9 +90,16 @@ inline float dot(const float* q, const T* k, int64_t hd) {
 // Softmax of one row of scores in place (minus its max, exp, a fixed-order sum); returns 1 / sum.
 inline float softmax_weights(float* scores, int64_t keys) {
     float top = -INFINITY;
-    for (int64_t t = 0; t < keys; ++t) top = scores[t] > top ? scores[t] : top;
-    float partial[LANES] = {0.0f};
     int64_t t = 0;
+#ifdef __AVX512F__
+    // The max is exact in any order: 16 lanes at a time instead of one dependent compare a key.
+    __m512 top16 = _mm512_set1_ps(-INFINITY);
+    for (; t + LANES <= keys; t += LANES) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(scores + t));
+    top = _mm512_reduce_max_ps(top16);
+#endif
+    for (; t < keys; ++t) top = scores[t] > top ? scores[t] : top;
+    float partial[LANES] = {0.0f};
+    t = 0;
     for (; t + LANES <= keys; t += LANES)
         for (int l = 0; l < LANES; ++l) {
             scores[t + l] = exp_nonpositive(scores[t + l] - top);
@@ -104,42 +113,111 @@ inline float softmax_weights(float* scores, int64_t keys) {
 }
 
 #ifdef __AVX512F__
-// The G query heads that share one KV head, head size 64, each key and value read once for all G.
-// Per head the arithmetic is exactly one_head's, so a row's bits do not depend on this grouping.
-template <int G, typename T>
-void shared_kv_heads(const float* queries, const T* k, const T* v, int64_t keys, float* scores, float* out,
-                     int64_t out_stride) {
-    for (int64_t t = 0; t < keys; ++t) {
-        const T* kt = k + t * 64;
-        const __m512 k0 = load16(kt), k1 = load16(kt + 16), k2 = load16(kt + 32), k3 = load16(kt + 48);
-        for (int g = 0; g < G; ++g) {
-            const float* q = queries + g * 64;
-            __m512 acc = _mm512_mul_ps(load16(q), k0);
-            acc = _mm512_fmadd_ps(load16(q + 16), k1, acc);
-            acc = _mm512_fmadd_ps(load16(q + 32), k2, acc);
-            acc = _mm512_fmadd_ps(load16(q + 48), k3, acc);
-            scores[g * keys + t] = _mm512_reduce_add_ps(acc);
+// Index pairs for score_tree: stage s takes vectors holding 16 / L keys of L lanes each (L = 16 >> s)
+// and, from two of them, makes one holding twice the keys at L / 2 lanes each, a key's lane l added to
+// its lane l + L / 2; after four stages lane j holds the sum of key j's 16 lanes.
+struct LaneSumIndex {
+    __m512i lo[4], hi[4];
+    LaneSumIndex() {
+        for (int s = 0; s < 4; ++s) {
+            const int lanes = 16 >> s, keys = 16 / lanes, half = lanes / 2;
+            alignas(64) int32_t l[16], h[16];
+            for (int o = 0; o < 16; ++o) {
+                const int key = o / half, lane = o % half;
+                l[o] = key < keys ? key * lanes + lane : 16 + (key - keys) * lanes + lane;
+                h[o] = l[o] + half;
+            }
+            lo[s] = _mm512_load_si512(l);
+            hi[s] = _mm512_load_si512(h);
         }
     }
-    float inv[G];
-    for (int g = 0; g < G; ++g) inv[g] = softmax_weights(scores + g * keys, keys);
-    __m512 acc[G][4];
-    for (int g = 0; g < G; ++g)
+};
+
+// Scores of one query head (64 wide, 4 vectors q) for keys j0 .. j0 + 2^S - 1 of k (zero past n):
+// key j's q . k as 4 lane-wise products summed in order, then its 16 lanes summed by a fixed tree
+// (LaneSumIndex), built as the partial products come so that few vectors are live at once. Lane i
+// of the result is key j0 + i's score (S = 4: 16 keys). The same operations for a key whatever else
+// shares the call.
+template <int S, typename T>
+__attribute__((always_inline)) inline __m512 score_tree(const __m512* q, const T* k, int64_t j0, int64_t n) {
+    if constexpr (S == 0) {
+        if (j0 >= n) return _mm512_setzero_ps();
+        const T* kt = k + j0 * 64;
+        __m512 acc = _mm512_mul_ps(q[0], load16(kt));
+        acc = _mm512_fmadd_ps(q[1], load16(kt + 16), acc);
+        acc = _mm512_fmadd_ps(q[2], load16(kt + 32), acc);
+        return _mm512_fmadd_ps(q[3], load16(kt + 48), acc);
+    } else {
+        static const LaneSumIndex index;
+        const __m512 a = score_tree<S - 1>(q, k, j0, n), b = score_tree<S - 1>(q, k, j0 + (1 << (S - 1)), n);
+        return _mm512_add_ps(_mm512_permutex2var_ps(a, index.lo[S - 1], b), _mm512_permutex2var_ps(a, index.hi[S - 1], b));
+    }
+}
+
+// One query head's scores for keys t0 .. t0 + n - 1 (n <= 16) into scores[t0 ..].
+template <typename T>
+inline void scores16(const __m512* q, const T* k, int64_t t0, int64_t n, float* scores) {
+    const __mmask16 keep = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    _mm512_mask_storeu_ps(scores + t0, keep, score_tree<4>(q, k + t0 * 64, 0, n));
+}
+
+// H heads' softmax weights times the values, each head over its own keys in order (H x 4 sums and a
+// value's 4 vectors stay in registers), scaled by 1 / sum.
+template <int H, typename T>
+inline void weighted_values(const float* weights, int64_t stride, const int64_t* keys, const float* inv, const T* v,
+                            float* const* out) {
+    int64_t most = 0;
+    for (int g = 0; g < H; ++g) most = std::max(most, keys[g]);
+    __m512 acc[H][4];
+#pragma GCC unroll 8
+    for (int g = 0; g < H; ++g)
         for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < keys; ++t) {
+    for (int64_t t = 0; t < most; ++t) {
         const T* vt = v + t * 64;
         const __m512 v0 = load16(vt), v1 = load16(vt + 16), v2 = load16(vt + 32), v3 = load16(vt + 48);
-        for (int g = 0; g < G; ++g) {
-            const __m512 w = _mm512_set1_ps(scores[g * keys + t]);
+#pragma GCC unroll 8
+        for (int g = 0; g < H; ++g) {
+            if (t >= keys[g]) continue;
+            const __m512 w = _mm512_set1_ps(weights[g * stride + t]);
             acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
             acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
             acc[g][2] = _mm512_fmadd_ps(w, v2, acc[g][2]);
             acc[g][3] = _mm512_fmadd_ps(w, v3, acc[g][3]);
         }
     }
-    for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 8
+    for (int g = 0; g < H; ++g) {
         const __m512 scale = _mm512_set1_ps(inv[g]);
-        for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out + g * out_stride + 16 * i, _mm512_mul_ps(acc[g][i], scale));
+        for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out[g] + 16 * i, _mm512_mul_ps(acc[g][i], scale));
+    }
+}
+
+// M query heads (64 wide, scaled) that share one KV head: several rows of one slot (a verified block)
+// and their heads of the group. Query m sees keys 0..keys[m]-1. Every key and value is read once for all
+// M from cache, and each head's arithmetic is the same whatever M, so a row's bits do not depend on
+// which rows share the call. scores: M x stride floats; out[m]: where head m's 64 outputs go.
+template <typename T>
+void attend_heads(const float* queries, const int64_t* keys, int M, const T* k, const T* v, float* scores,
+                  int64_t stride, float* const* out) {
+    // 16 keys (4 KB) at a time for every head, so they are read from L1
+    for (int64_t t = 0; t < stride; t += 16)
+        for (int m = 0; m < M; ++m) {
+            if (t >= keys[m]) continue;
+            const float* qm = queries + m * 64;
+            const __m512 q[4] = {load16(qm), load16(qm + 16), load16(qm + 32), load16(qm + 48)};
+            scores16(q, k, t, std::min<int64_t>(16, keys[m] - t), scores + m * stride);
+        }
+    float inv[kMaxHeadsTogether];
+    for (int m = 0; m < M; ++m) inv[m] = softmax_weights(scores + m * stride, keys[m]);
+    int c = 0;
+    for (; c + 6 <= M; c += 6) weighted_values<6>(scores + c * stride, stride, keys + c, inv + c, v, out + c);
+    switch (M - c) {
+        case 5: weighted_values<5>(scores + c * stride, stride, keys + c, inv + c, v, out + c); break;
+        case 4: weighted_values<4>(scores + c * stride, stride, keys + c, inv + c, v, out + c); break;
+        case 3: weighted_values<3>(scores + c * stride, stride, keys + c, inv + c, v, out + c); break;
+        case 2: weighted_values<2>(scores + c * stride, stride, keys + c, inv + c, v, out + c); break;
+        case 1: weighted_values<1>(scores + c * stride, stride, keys + c, inv + c, v, out + c); break;
+        default: break;
     }
 }
 #endif
@@ -156,40 +234,58 @@ void one_head(const float* query, const T* k, const T* v, int64_t keys, int64_t 
     for (int64_t d = 0; d < hd; ++d) out[d] = acc[d] * inv;
 }
 
-// One task per (row, KV head): its query heads over the slot's keys 0..position. q(r, h, query)
-// fills query[hd] with row r's head h, rotated, before scaling.
+// Tasks of one KV head and a run of consecutive rows of one slot (a verified block), at most
+// kMaxHeadsTogether query heads in all, split evenly: the run's rows read each key and value once.
+// q(r, h, query) fills query[hd] with row r's head h, rotated, before scaling. A row's bits do not
+// depend on the tasks: every (row, head) is computed by the same operations in the same order.
 template <typename T, typename Query>
 void attend_rows(const Query& q, const T* kc, const T* vc, const int64_t* slots, const int64_t* positions,
                  float* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t hd,
                  int64_t max_len, float scale) {
     const int64_t group = heads / kv_heads;
     const int64_t slot_stride = kv_heads * max_len * hd;
-    at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores, queries(group * hd), acc(hd);
+    const int64_t most_rows = std::max<int64_t>(1, kMaxHeadsTogether / group);
+    std::vector<int64_t> first;  // each task's first row; rows first[i]..first[i + 1] - 1
+    for (int64_t r = 0; r < rows;) {
+        int64_t end = r + 1;
+        while (end < rows && slots[end] == slots[r]) ++end;
+        const int64_t pieces = (end - r + most_rows - 1) / most_rows, size = (end - r + pieces - 1) / pieces;
+        for (; r < end; r += size) first.push_back(r);
+        r = end;
+    }
+    first.push_back(rows);
+    const int64_t runs = static_cast<int64_t>(first.size()) - 1;
+    at::parallel_for(0, runs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores, queries, acc(hd);
+        std::vector<int64_t> keys;
+        std::vector<float*> dst;
         for (int64_t task = begin; task < end; ++task) {
-            const int64_t r = task / kv_heads, kvh = task % kv_heads;
-            const int64_t keys = positions[r] + 1;  // causal: its own key and every earlier one
-            const int64_t base = slots[r] * slot_stride + kvh * max_len * hd;
-            const T* k = kc + base;
-            const T* v = vc + base;
-            for (int64_t g = 0; g < group; ++g) {
-                q(r, kvh * group + g, queries.data() + g * hd);
-                for (int64_t d = 0; d < hd; ++d) queries[g * hd + d] *= scale;
-            }
-            scores.resize(group * keys);
-            float* o = out + (r * heads + kvh * group) * hd;
-#ifdef __AVX512F__
-            if (hd == 64 && group <= 4) {
-                switch (group) {
-                    case 1: shared_kv_heads<1>(queries.data(), k, v, keys, scores.data(), o, hd); continue;
-                    case 2: shared_kv_heads<2>(queries.data(), k, v, keys, scores.data(), o, hd); continue;
-                    case 3: shared_kv_heads<3>(queries.data(), k, v, keys, scores.data(), o, hd); continue;
-                    case 4: shared_kv_heads<4>(queries.data(), k, v, keys, scores.data(), o, hd); continue;
+            const int64_t kvh = task / runs, r0 = first[task % runs], r1 = first[task % runs + 1];
+            const int64_t M = (r1 - r0) * group;
+            const int64_t base = slots[r0] * slot_stride + kvh * max_len * hd;
+            queries.resize(M * hd);
+            keys.resize(M);
+            dst.resize(M);
+            int64_t stride = 0;
+            for (int64_t r = r0, m = 0; r < r1; ++r)
+                for (int64_t g = 0; g < group; ++g, ++m) {
+                    const int64_t h = kvh * group + g;
+                    q(r, h, queries.data() + m * hd);
+                    for (int64_t d = 0; d < hd; ++d) queries[m * hd + d] *= scale;
+                    keys[m] = positions[r] + 1;  // causal: its own key and every earlier one
+                    dst[m] = out + (r * heads + h) * hd;
+                    stride = std::max(stride, keys[m]);
                 }
+            scores.resize(M * stride);
+#ifdef __AVX512F__
+            if (hd == 64 && M <= kMaxHeadsTogether) {
+                attend_heads(queries.data(), keys.data(), static_cast<int>(M), kc + base, vc + base, scores.data(),
+                             stride, dst.data());
+                continue;
             }
 #endif
-            for (int64_t g = 0; g < group; ++g)
-                one_head(queries.data() + g * hd, k, v, keys, hd, scores.data(), acc.data(), o + g * hd);
+            for (int64_t m = 0; m < M; ++m)
+                one_head(queries.data() + m * hd, kc + base, vc + base, keys[m], hd, scores.data(), acc.data(), dst[m]);
         }
     });
 }
