@@ -243,3 +243,24 @@ def test_bad_calls_get_clear_errors():
         ops.cached_attention(q, kc, vc, torch.tensor([2]), torch.tensor([0]))
     with pytest.raises(RuntimeError, match="float32"):
         ops.cached_attention(q.double(), kc, vc, torch.tensor([0]), torch.tensor([0]))
+
+
+def test_markov_greedy_chain_is_the_torch_chain_with_its_ties_and_nans():
+    g = torch.Generator().manual_seed(3)
+    rows, slots, vocab = 3, 7, 50
+    base = torch.randn(rows, slots, vocab, generator=g).round(decimals=1)  # coarse values: ties happen
+    first = torch.randn(rows, vocab, generator=g).round(decimals=1)
+    table = torch.randn(vocab, vocab, generator=g).round(decimals=1).bfloat16()
+    base[2, 4, [7, 30]] = float("nan")  # torch.argmax takes the first NaN
+
+    def torch_chain():
+        picks = [(base[:, 0] + first).argmax(-1)]
+        for k in range(1, slots):
+            picks.append((base[:, k] + table[picks[-1]]).argmax(-1))
+        return torch.stack(picks, 1)
+
+    got = ops.markov_greedy_chain(base, first, table)
+    assert got.dtype == torch.long and torch.equal(got, torch_chain())
+    assert got[2, 4] == 7
+    with pytest.raises(RuntimeError, match="table"):
+        ops.markov_greedy_chain(base, first, table.float())

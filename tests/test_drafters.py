@@ -3,6 +3,8 @@ import torch
 
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.drafters.checkpoint import load_drafter, save_drafter
+from dspark.drafters.context_kv import ContextKV
+from dspark.kernels.cpu import kernels
 from dspark.models.batch import VarlenBatch
 
 CTX_LAYERS = [1, 2]
@@ -245,7 +247,8 @@ def test_the_bias_table_holds_the_markov_bias_after_each_draft_token(target):
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
 def test_serving_fusion_drafts_what_the_checkpoint_layout_drafts(target, sequence, kind):
-    """apply_precision fuses q|k|v (block rows) and k|v (context rows) into one matmul each: same
+    """apply_precision fuses q|k|v (block rows) and k|v (context rows) into one matmul each, which puts
+    drafting on the CPU kernels where they exist (the block's keys in the context's cache): same
     context keys and values, same block logits as the separate projections training keeps."""
     import copy
 
@@ -256,12 +259,53 @@ def test_serving_fusion_drafts_what_the_checkpoint_layout_drafts(target, sequenc
     fused = copy.deepcopy(separate)
     apply_precision(fused, "fp32")
     assert all(hasattr(layer, "qkv_proj") and not hasattr(layer, "q_proj") for layer in fused.layers)
+    assert fused._on_cpu_kernels() == (kernels() is not None) and not separate._on_cpu_kernels()
     for drafter in (separate, fused):
         drafter.extend_context("r", features[:13], tokens[:13])
         drafter.extend_context("s", features[:6], tokens[:6])  # a shorter context: padded rows in the batch
-    torch.testing.assert_close(fused.contexts.rows("r"), separate.contexts.rows("r"), atol=1e-5, rtol=1e-5)
+    for layer in range(len(fused.layers)):  # each layer's context keys and values (and which are valid)
+        for got, want in zip(fused.contexts.layer(layer, ["r"]), separate.contexts.layer(layer, ["r"])):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     anchors, temperatures = tokens[torch.tensor([13, 6])], torch.zeros(2)
     want = separate.draft(["r", "s"], anchors, temperatures, [None, None], return_logits=True)
     got = fused.draft(["r", "s"], anchors, temperatures, [None, None], return_logits=True)
     torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
     assert torch.equal(got.tokens, want.tokens)
+    # A draft-ahead block (anchor two positions past the context), then a context that grew and was
+    # rolled back under the block's scratch keys: the next draft reads only real context.
+    anchors = tokens[torch.tensor([15, 6])]
+    want = separate.draft(["r", "s"], anchors, temperatures, [None, None], return_logits=True, gaps=[2, 0])
+    got = fused.draft(["r", "s"], anchors, temperatures, [None, None], return_logits=True, gaps=[2, 0])
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    for drafter in (separate, fused):
+        drafter.extend_context("r", features[13:20], tokens[13:20])
+        drafter.rollback("r", 16)
+    want = separate.draft(["r"], tokens[16:17], temperatures[:1], [None], return_logits=True)
+    got = fused.draft(["r"], tokens[16:17], temperatures[:1], [None], return_logits=True)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_context_kv_keeps_every_request_through_growth_rollback_and_release():
+    """Slots and capacity double as requests and contexts grow (copies of what is there); a released
+    slot is reused; each request reads back exactly its own rows."""
+    store, rows = ContextKV(num_layers=2, kv_heads=2, head_dim=4), {}
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for i in range(6):  # six requests: past the first 4 slots; 3 x 30 rows: past capacity 64
+            req = f"r{i}"
+            kv = [(torch.randn(30, 2, 4, generator=g), torch.randn(30, 2, 4, generator=g)) for _ in range(2)]
+            store.append(req, kv)
+            rows.setdefault(req, []).append(kv)
+    store.truncate("r2", 40)
+    store.release("r5")
+    store.append("new", [(torch.ones(3, 2, 4), torch.zeros(3, 2, 4))] * 2)
+    assert store.slots == 8 and store.capacity >= 90 and len(store) == 6 and "r5" not in store
+    for layer in range(2):
+        k, v, valid = store.layer(layer, ["r0", "r2", "new"])
+        assert k.shape == (3, 2, 90, 4) and valid.sum(1).tolist() == [90, 40, 3]
+        for i, req in enumerate(["r0", "r2"]):
+            want_k = torch.cat([kv[layer][0] for kv in rows[req]]).transpose(0, 1)
+            want_v = torch.cat([kv[layer][1] for kv in rows[req]]).transpose(0, 1)
+            n = int(valid[i].sum())
+            assert torch.equal(k[i, :, :n], want_k[:, :n]) and torch.equal(v[i, :, :n], want_v[:, :n])
+        assert torch.equal(k[2, :, :3], torch.ones(2, 3, 4))

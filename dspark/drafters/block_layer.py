@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.drafters.config import DrafterConfig
+from dspark.kernels.cpu import kernels
 from dspark.models.layers import RMSNorm, SwiGLU, apply_rotary, fuse_linears
 
 
@@ -89,6 +90,20 @@ class BlockDecoderLayer(nn.Module):
         """This layer's keys (rotated at their true positions) and values of H_ctx rows: [L, KV, hd] each."""
         k, v = self._project(h_ctx, query=False)
         return apply_rotary(k, cos, sin), v
+
+    def cached_forward(self, x, delta, rope, k_cache, v_cache, where):
+        """Drafting on the CPU kernels (after fuse_projections), as the target's fused layer: adds the
+        previous layer's output `delta` to the block rows x [N, d] in place and returns this layer's
+        MLP output. rope: (cos, signed_sin) [N, 1, hd]; k_cache/v_cache [slots, KV, capacity, hd];
+        where: per row (slot, position its key and value are written at, keys it attends to)."""
+        ops, n = kernels(), x.shape[0]
+        h = ops.add_rms_norm(x, delta, self.input_layernorm.weight, self.input_layernorm.eps, False)
+        slots, positions, keys = where
+        h = ops.rope_cache_attention(self.qkv_proj(h), rope[0].view(n, -1), rope[1].view(n, -1), k_cache, v_cache,
+                                     slots, positions, self.heads, False, keys)
+        h = ops.add_rms_norm(x, self.o_proj(h), self.post_attention_layernorm.weight,
+                             self.post_attention_layernorm.eps, False)
+        return self.mlp.down_proj(ops.silu_mul(self.mlp.gate_up_proj(h), False))
 
     def _expand_heads(self, kv: torch.Tensor) -> torch.Tensor:
         return kv.repeat_interleave(self.heads // self.kv_heads, dim=-3)

@@ -12,8 +12,10 @@ from torch import nn
 
 from dspark.drafters.base import DraftBlock, Drafter
 from dspark.drafters.block_layer import BlockDecoderLayer
+from dspark.drafters.context_kv import ContextKV
 from dspark.drafters.heads import CompactTokenTable, MarkovHead, run_teacher_forced
-from dspark.models.layers import RMSNorm, Rotary
+from dspark.kernels.cpu import kernels
+from dspark.models.layers import RMSNorm, Rotary, rope_tables
 
 
 class ParallelDrafter(Drafter):
@@ -28,6 +30,7 @@ class ParallelDrafter(Drafter):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, None, 4096)
         self.head = None  # sequential head (DSpark)
         self.confidence_head = None
+        self.contexts = ContextKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
 
     # ---- the backbone, shared by training and drafting ----
     def context_states(self, features: torch.Tensor) -> torch.Tensor:
@@ -99,9 +102,7 @@ class ParallelDrafter(Drafter):
             raise ValueError(f"{features.shape[0]} feature rows for {tokens.shape[0]} tokens")
         if features.shape[0] == 0:
             return
-        kv = self.context_kv(features.to(self.lm_head_draft.device), self.context_len(req_id))
-        rows = torch.stack([torch.stack([k, v], dim=1) for k, v in kv], dim=1)  # [n, layers, 2, KV, hd]
-        self.contexts.append(req_id, rows)
+        self.contexts.append(req_id, self.context_kv(features.to(self.lm_head_draft.device), self.context_len(req_id)))
 
     @torch.no_grad()
     def draft(self, req_ids, anchors, temperatures, generators, forced_tokens=None, return_logits=False,
@@ -109,16 +110,42 @@ class ParallelDrafter(Drafter):
         """gaps [R] (draft-ahead): positions between a request's context and its anchor whose features
         it does not have yet; the anchor then sits at context_len + gap. The block attends to the
         context it has."""
-        cfg, device = self.cfg, self.lm_head_draft.device
+        device = self.lm_head_draft.device
         anchors = anchors.long().to(device)
-        like = torch.empty(0, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, device=device)
-        kv, valid = self.contexts.padded(req_ids, like)  # [R, L, layers, 2, KV, hd]
-        ctx_kv = [(kv[:, :, i, 0].transpose(1, 2), kv[:, :, i, 1].transpose(1, 2)) for i in range(cfg.num_layers)]
-        starts = torch.tensor([self.context_len(r) for r in req_ids], device=device)
-        if gaps is not None:
-            starts = starts + torch.as_tensor(gaps, dtype=torch.long, device=device)
-        hidden = self.run_blocks(anchors[:, None], starts[:, None], ctx_kv, valid[:, None])[:, 0]
+        lengths = [self.context_len(r) for r in req_ids]
+        starts = lengths if gaps is None else [n + int(gap) for n, gap in zip(lengths, gaps)]
+        if self._on_cpu_kernels():
+            hidden = self._run_blocks_in_cache(req_ids, anchors, lengths, starts)
+        else:
+            kv = [self.contexts.layer(i, req_ids) for i in range(self.cfg.num_layers)]
+            starts = torch.tensor(starts, device=device)
+            hidden = self.run_blocks(anchors[:, None], starts[:, None], [(k, v) for k, v, _ in kv],
+                                     kv[0][2][:, None])[:, 0]
         return self.sample_block(hidden, anchors, temperatures, generators, forced_tokens, return_logits)
+
+    def _on_cpu_kernels(self) -> bool:
+        return (self.lm_head_draft.device.type == "cpu" and kernels() is not None
+                and all(hasattr(layer, "qkv_proj") and hasattr(layer.mlp, "gate_up_proj") for layer in self.layers))
+
+    def _run_blocks_in_cache(self, req_ids, anchors, lengths: list[int], starts: list[int]) -> torch.Tensor:
+        """run_blocks for drafting on the CPU kernels: each layer as the target's fused layer runs, the
+        block's keys and values written into its request's slot right after the context (scratch the
+        next context rows overwrite) and every row attending to the context and the whole block.
+        Rotations at the block's true positions `starts` (past the context after a draft-ahead gap).
+        Returns the final-normed hidden states [R, gamma, d]."""
+        R, g = anchors.shape[0], self.gamma
+        slots = [self.contexts.slot(r) for r in req_ids]
+        self.contexts.reserve(max(lengths) + g)
+        x = self.block_inputs(anchors).reshape(R * g, -1)
+        device = anchors.device  # the CPU: these kernels are CPU ones
+        cos, sin = self.rotary.cos_sin(torch.tensor([s + j for s in starts for j in range(g)], device=device))
+        rope = rope_tables(cos, sin)
+        rows = torch.tensor([[slot, n + j, n + g] for slot, n in zip(slots, lengths) for j in range(g)], device=device)
+        where = (rows[:, 0], rows[:, 1], rows[:, 2])  # slot, write position, keys seen
+        delta = None
+        for i, layer in enumerate(self.layers):
+            delta = layer.cached_forward(x, delta, rope, self.contexts.k[i], self.contexts.v[i], where)
+        return kernels().add_rms_norm(x, delta, self.norm.weight, self.norm.eps, False).view(R, g, -1)
 
     def sample_block(self, hidden, anchors, temperatures, generators, forced_tokens, return_logits) -> DraftBlock:
         """Left to right: x_k ~ q_k from U_k (+ B_k(x_{k-1})), x_0 = the anchor."""
@@ -161,16 +188,19 @@ class ParallelDrafter(Drafter):
         rows = self._draft_token_rows() if self.head is not None else None
         biases = self._draft_token_biases()
         conf_h, w_prev = self.confidence_head.split(hidden) if self.confidence_head is not None else (None, None)
-        picks = []
-        for k in range(self.gamma):  # the chain itself: a row lookup, an add and an argmax a slot
-            if self.head is None:
-                logits = base[:, k]
-            elif k and biases is not None:
-                logits = base[:, k] + biases[picks[-1]]
-            else:
-                logits = base[:, k] + self.head.W2(prev_emb if k == 0 else rows[picks[-1]])
-            picks.append(logits.argmax(-1))
-        picks = torch.stack(picks, 1)
+        if self.head is None:
+            picks = base.argmax(-1)
+        elif biases is not None and kernels() is not None:  # the chain in one call
+            picks = kernels().markov_greedy_chain(base, self.head.W2(prev_emb), biases)
+        else:
+            picks = []
+            for k in range(self.gamma):  # the chain itself: a row lookup, an add and an argmax a slot
+                if k and biases is not None:
+                    logits = base[:, k] + biases[picks[-1]]
+                else:
+                    logits = base[:, k] + self.head.W2(prev_emb if k == 0 else rows[picks[-1]])
+                picks.append(logits.argmax(-1))
+            picks = torch.stack(picks, 1)
         confs = None
         if conf_h is not None:  # every slot's W1[x_{k-1}] part at once, once the chain is known
             confs = conf_h if prev_emb is None else \

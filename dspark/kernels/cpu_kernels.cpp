@@ -239,7 +239,7 @@ void one_head(const float* query, const T* k, const T* v, int64_t keys, int64_t 
 // q(r, h, query) fills query[hd] with row r's head h, rotated, before scaling. A row's bits do not
 // depend on the tasks: every (row, head) is computed by the same operations in the same order.
 template <typename T, typename Query>
-void attend_rows(const Query& q, const T* kc, const T* vc, const int64_t* slots, const int64_t* positions,
+void attend_rows(const Query& q, const T* kc, const T* vc, const int64_t* slots, const int64_t* key_counts,
                  float* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t hd,
                  int64_t max_len, float scale) {
     const int64_t group = heads / kv_heads;
@@ -272,7 +272,7 @@ void attend_rows(const Query& q, const T* kc, const T* vc, const int64_t* slots,
                     const int64_t h = kvh * group + g;
                     q(r, h, queries.data() + m * hd);
                     for (int64_t d = 0; d < hd; ++d) queries[m * hd + d] *= scale;
-                    keys[m] = positions[r] + 1;  // causal: its own key and every earlier one
+                    keys[m] = key_counts[r];
                     dst[m] = out + (r * heads + h) * hd;
                     stride = std::max(stride, keys[m]);
                 }
@@ -332,23 +332,31 @@ void check_cache_rows(const torch::Tensor& k_cache, const torch::Tensor& v_cache
     }
 }
 
-// [rows, heads * hd] float32: each row's query heads (query(r, h, dst) fills one) over its cache.
+// Causal attention: a row sees its own key and every earlier one.
+std::vector<int64_t> causal_key_counts(const torch::Tensor& positions) {
+    const int64_t* p = positions.data_ptr<int64_t>();
+    std::vector<int64_t> counts(p, p + positions.numel());
+    for (auto& c : counts) ++c;
+    return counts;
+}
+
+// [rows, heads * hd] float32: each row's query heads (query(r, h, dst) fills one) over its cache's
+// first key_counts[r] keys.
 template <typename Query>
 torch::Tensor attend(const Query& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                     const torch::Tensor& slots, const torch::Tensor& positions, int64_t rows, int64_t heads) {
+                     const torch::Tensor& slots, const int64_t* key_count, int64_t rows, int64_t heads) {
     const int64_t kv_heads = k_cache.size(1), max_len = k_cache.size(2), hd = k_cache.size(3);
     auto out = torch::empty({rows, heads * hd}, k_cache.options().dtype(torch::kFloat32));
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     const int64_t* slot = slots.data_ptr<int64_t>();
-    const int64_t* position = positions.data_ptr<int64_t>();
     AT_DISPATCH_SWITCH(k_cache.scalar_type(), "attend",
         AT_DISPATCH_CASE(torch::kFloat32, [&] {
-            attend_rows(query, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slot, position,
+            attend_rows(query, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slot, key_count,
                         out.data_ptr<float>(), rows, heads, kv_heads, hd, max_len, scale);
         })
         AT_DISPATCH_CASE(torch::kBFloat16, [&] {
             attend_rows(query, k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), slot,
-                        position, out.data_ptr<float>(), rows, heads, kv_heads, hd, max_len, scale);
+                        key_count, out.data_ptr<float>(), rows, heads, kv_heads, hd, max_len, scale);
         }));
     return out;
 }
@@ -368,7 +376,7 @@ torch::Tensor cached_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
     auto query = [&](int64_t r, int64_t h, float* dst) {
         std::memcpy(dst, qp + (r * heads + h) * hd, hd * sizeof(float));
     };
-    return attend(query, k_cache, v_cache, slots, positions, rows, heads);
+    return attend(query, k_cache, v_cache, slots, causal_key_counts(positions).data(), rows, heads);
 }
 
 // x * cos + rotate_half(x) * sin for one head, the sign of rotate_half folded into signed_sin.
@@ -382,7 +390,8 @@ inline void rope(const float* x, const float* cos, const float* signed_sin, int6
 // qkv [N, (H + 2 KV) * hd] float32; cos, signed_sin [N, hd] float32 (per row, from its position).
 torch::Tensor rope_cache_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor signed_sin,
                                    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                                   torch::Tensor positions, int64_t heads, bool bf16_out) {
+                                   torch::Tensor positions, int64_t heads, bool bf16_out,
+                                   c10::optional<torch::Tensor> key_counts) {
     TORCH_CHECK(qkv.dim() == 2 && (qkv.scalar_type() == torch::kFloat32 || qkv.scalar_type() == torch::kBFloat16),
                 "qkv must be [N, (H + 2 KV) hd] float32 or bfloat16");
     qkv = qkv.to(torch::kFloat32).contiguous();
@@ -415,7 +424,17 @@ torch::Tensor rope_cache_attention(torch::Tensor qkv, torch::Tensor cos, torch::
     auto query = [&](int64_t r, int64_t h, float* dst) {
         rope(x + r * width + h * hd, c + r * hd, sn + r * hd, hd, dst);
     };
-    auto out = attend(query, k_cache, v_cache, slots, positions, rows, heads);
+    std::vector<int64_t> counts;
+    if (key_counts.has_value()) {
+        TORCH_CHECK(key_counts->scalar_type() == torch::kInt64 && key_counts->numel() == rows,
+                    "key_counts must be one int64 a row");
+        const auto given = key_counts->contiguous();
+        counts.assign(given.data_ptr<int64_t>(), given.data_ptr<int64_t>() + rows);
+        for (const int64_t c : counts) TORCH_CHECK(0 < c && c <= max_len, "a row's key count is outside the cache");
+    } else {
+        counts = causal_key_counts(positions);
+    }
+    auto out = attend(query, k_cache, v_cache, slots, counts.data(), rows, heads);
     return bf16_out ? out.to(torch::kBFloat16) : out;
 }
 
@@ -510,15 +529,22 @@ torch::Tensor silu_mul(torch::Tensor gate_up, bool bf16_out) {
 void register_gguf_matmul(pybind11::module& m);     // gguf_matmul.cpp
 void register_gguf_q8_matmul(pybind11::module& m);  // gguf_q8_matmul.cpp
 void register_int8_matmul(pybind11::module& m);     // int8_matmul.cpp
+void register_draft_chain(pybind11::module& m);     // draft_chain.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("cached_attention", &cached_attention, kReleaseGil, "attention of new rows over their slot's KV cache");
     m.def("rms_norm", &rms_norm, kReleaseGil, "RMSNorm of each row (float32)");
-    m.def("rope_cache_attention", &rope_cache_attention,
-          kReleaseGil, "rotate q|k, write k and v into the cache, attend: a layer's attention after its q|k|v matmul");
+    m.def("rope_cache_attention", &rope_cache_attention, kReleaseGil,
+          "rotate q|k, write k and v into the cache, attend: a layer's attention after its q|k|v matmul. Each "
+          "row attends to its slot's first key_counts[r] keys (default position + 1: causal; a draft block "
+          "passes its end, so its rows see each other)",
+          pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("signed_sin"), pybind11::arg("k_cache"),
+          pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("positions"), pybind11::arg("heads"),
+          pybind11::arg("bf16_out"), pybind11::arg("key_counts") = pybind11::none());
     m.def("add_rms_norm", &add_rms_norm, kReleaseGil, "x += delta in place, then RMSNorm of x (float32 or bfloat16 out)");
     m.def("silu_mul", &silu_mul, kReleaseGil, "silu(gate) * up of a fused gate|up output");
     register_gguf_matmul(m);
     register_gguf_q8_matmul(m);
     register_int8_matmul(m);
+    register_draft_chain(m);
 }
