@@ -15,7 +15,7 @@ from dspark.drafters.block_layer import BlockDecoderLayer
 from dspark.drafters.context_kv import ContextKV
 from dspark.drafters.heads import CompactTokenTable, MarkovHead, run_teacher_forced
 from dspark.kernels.cpu import kernels
-from dspark.models.layers import RMSNorm, Rotary, rope_tables
+from dspark.models.layers import RMSNorm, Rotary, apply_rotary, fuse_linears, rope_tables
 
 
 class ParallelDrafter(Drafter):
@@ -39,8 +39,23 @@ class ParallelDrafter(Drafter):
     def context_kv(self, features: torch.Tensor, first_pos: int):
         """Per layer (k, v) [L, KV, hd] of context rows at positions first_pos.."""
         h_ctx = self.context_states(features)
-        cos, sin = self.rotary.cos_sin(first_pos + torch.arange(h_ctx.shape[0], device=h_ctx.device))
-        return [layer.context_kv(h_ctx, cos, sin) for layer in self.layers]
+        n = h_ctx.shape[0]
+        cos, sin = self.rotary.cos_sin(first_pos + torch.arange(n, device=h_ctx.device), first_pos + n)
+        if not hasattr(self, "context_kv_proj"):
+            return [layer.context_kv(h_ctx, cos, sin) for layer in self.layers]
+        layers, kv_heads, hd = len(self.layers), self.cfg.num_kv_heads, self.cfg.head_dim
+        kv = self.context_kv_proj(h_ctx).view(n, layers, 2, kv_heads, hd)
+        k = apply_rotary(kv[:, :, 0].reshape(n, layers * kv_heads, hd), cos, sin).view(n, layers, kv_heads, hd)
+        return [(k[:, i], kv[:, i, 1]) for i in range(layers)]
+
+    def fuse_projections(self) -> None:
+        """Serving: every layer's k|v of context rows in one matmul (they all read H_ctx), one rotation
+        for all of them; then each layer's own fusions. The checkpoint keeps the separate layout."""
+        if hasattr(self, "context_kv_proj"):
+            return
+        for layer in self.layers:
+            layer.fuse_projections()
+        self.context_kv_proj = fuse_linears(*(layer.kv_proj for layer in self.layers))
 
     def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
         """[x_a, MASK, ..., MASK] embeddings: [A] -> [A, gamma, d]."""
