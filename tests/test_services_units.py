@@ -96,6 +96,21 @@ def test_a_stop_string_in_held_tokens_ends_the_request_at_once():
     assert last.finish_reason == pb.FINISH_REASON_STOP
 
 
+
+def test_the_engine_thread_holds_tokens_for_the_chunk_interval_and_never_the_first_or_the_last():
+    """Job.release: what the engine thread hands the event loop after a step. Held tokens go out
+    together, in order, once the interval has passed; the first delivery and the final one go at once."""
+    from verifier_svc.runner import Job
+
+    job = Job(request=None, loop=None, hold_s=0.5)
+    assert job.release([1], now=10.0) == [1]  # the first token: at once (time to first token)
+    assert job.release([2, 3], now=10.2) is None and job.release([4], now=10.4) is None
+    assert job.release([5], now=10.5) == [2, 3, 4, 5]
+    assert job.release([6], now=10.6) is None
+    assert job.release([7], now=10.7, final=True) == [6, 7]
+    every_step = Job(request=None, loop=None)  # hold_s 0: stop strings to check, or a chunk a step
+    assert [every_step.release([t], now=1.0) for t in range(3)] == [[0], [1], [2]]
+
 def test_choose_picks_the_least_loaded_verifier_with_room():
     records = [dict(address="a", running=3, queued=0, max_batch=4), dict(address="b", running=1, queued=1, max_batch=4),
                dict(address="c", running=4, queued=0, max_batch=4)]

@@ -120,8 +120,13 @@ class VerifierCore:
                                  "dspark.resumed_tokens": len(streamed), "dspark.max_tokens": params.max_tokens})
         text = TextStream(self.tokenizer.decode, list(request.stop), streamed,
                           resume.streamed_text if resume is not None else "")
+        # Without stop strings the engine thread holds tokens for the chunk interval; with them every
+        # step's text is checked here, and the chunks are held here instead.
+        interval_s = request.stream_interval_ms / 1e3
+        if not text.stop:
+            job.hold_s, interval_s = interval_s, 0.0
         active = ActiveRequest(self.runner, job, req_id, text, len(streamed), len(prompt), prior, started, span,
-                               request.stream_interval_ms / 1e3)
+                               interval_s)
         self.runner.submit(job)
         return active
 
