@@ -245,6 +245,32 @@ def test_bad_calls_get_clear_errors():
         ops.cached_attention(q.double(), kc, vc, torch.tensor([0]), torch.tensor([0]))
 
 
+
+def test_key_counts_let_a_draft_block_see_itself_whole():
+    """rope_cache_attention with key_counts: a block's rows are written at their own positions and each
+    attends to as many keys as it is told (a draft block: the context and the whole block), exactly as
+    causal attention of rows sitting at the block's last position."""
+    heads, kv_heads, hd, context, block = 9, 3, 64, 37, 4
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(block, (heads + 2 * kv_heads) * hd, generator=g)
+    positions, slots = torch.arange(context, context + block), torch.zeros(block, dtype=torch.long)
+    cos, signed_sin = rope_tables(*Rotary(hd, 10000.0, None, 512).cos_sin(positions))
+    kc = torch.zeros(1, kv_heads, 64, hd)
+    kc[:, :, :context] = torch.randn(1, kv_heads, context, hd, generator=g)
+    vc = kc.clone()
+    counts = torch.full((block,), context + block)
+    out = ops.rope_cache_attention(qkv, cos.view(block, hd), signed_sin.view(block, hd), kc, vc, slots, positions,
+                                   heads, False, counts)
+    q = apply_rope(qkv[:, :heads * hd].view(block, heads, hd), cos, signed_sin).contiguous()
+    torch.testing.assert_close(out, ops.cached_attention(q, kc, vc, slots, counts - 1), rtol=1e-5, atol=2e-6)
+    causal = ops.rope_cache_attention(qkv, cos.view(block, hd), signed_sin.view(block, hd), kc, vc, slots, positions,
+                                      heads, False)
+    assert torch.equal(causal[-1], out[-1]) and not torch.equal(causal[0], out[0])  # the last row sees it all anyway
+    for bad in (torch.zeros(block, dtype=torch.long), torch.full((block,), 65)):
+        with pytest.raises(RuntimeError, match="key count"):
+            ops.rope_cache_attention(qkv, cos.view(block, hd), signed_sin.view(block, hd), kc, vc, slots, positions,
+                                     heads, False, bad)
+
 def test_markov_greedy_chain_is_the_torch_chain_with_its_ties_and_nans():
     g = torch.Generator().manual_seed(3)
     rows, slots, vocab = 3, 7, 50
