@@ -263,9 +263,10 @@ def test_serving_fusion_drafts_what_the_checkpoint_layout_drafts(target, sequenc
     for drafter in (separate, fused):
         drafter.extend_context("r", features[:13], tokens[:13])
         drafter.extend_context("s", features[:6], tokens[:6])  # a shorter context: padded rows in the batch
-    for layer in range(len(fused.layers)):  # each layer's context keys and values (and which are valid)
-        for got, want in zip(fused.contexts.layer(layer, ["r"]), separate.contexts.layer(layer, ["r"])):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    (got_kv, got_valid), (want_kv, want_valid) = fused.contexts.gather(["r"]), separate.contexts.gather(["r"])
+    torch.testing.assert_close(got_valid, want_valid, atol=1e-5, rtol=1e-5)
+    for got, want in zip(got_kv, want_kv):  # each layer's context keys and values
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     anchors, temperatures = tokens[torch.tensor([13, 6])], torch.zeros(2)
     want = separate.draft(["r", "s"], anchors, temperatures, [None, None], return_logits=True)
     got = fused.draft(["r", "s"], anchors, temperatures, [None, None], return_logits=True)
@@ -300,8 +301,8 @@ def test_context_kv_keeps_every_request_through_growth_rollback_and_release():
     store.release("r5")
     store.append("new", [(torch.ones(3, 2, 4), torch.zeros(3, 2, 4))] * 2)
     assert store.slots == 8 and store.capacity >= 90 and len(store) == 6 and "r5" not in store
-    for layer in range(2):
-        k, v, valid = store.layer(layer, ["r0", "r2", "new"])
+    layers, valid = store.gather(["r0", "r2", "new"])
+    for layer, (k, v) in enumerate(layers):
         assert k.shape == (3, 2, 90, 4) and valid.sum(1).tolist() == [90, 40, 3]
         for i, req in enumerate(["r0", "r2"]):
             want_k = torch.cat([kv[layer][0] for kv in rows[req]]).transpose(0, 1)

@@ -270,8 +270,7 @@ class ActiveRequest:
                  prior: pb.SpecMetrics | None, started: float, span, interval_s: float = 0.0):
         self.runner, self.job, self.req_id, self.text = runner, job, req_id, text
         self.offset, self.prompt_len, self.prior, self.started, self.span = offset, prompt_len, prior, started, span
-        self.interval_s = interval_s  # the request's stream_interval_ms
-        self.unsent: list[int] = []  # tokens of held events not decoded yet (no stop strings to check)
+        self.interval_s = interval_s  # how long chunks are held here (with stop strings; else Job.hold_s)
         self.held: pb.GenerateChunk | None = None  # decoded tokens not sent yet
         self.last_sent: float | None = None
         self.done = False
@@ -279,15 +278,12 @@ class ActiveRequest:
     def chunk(self, event) -> pb.GenerateChunk | None:
         """The chunk to send after one engine event, or None while its tokens are held (at most
         one chunk per interval; the first and the last are never held). Sets `done` on the last.
-        With stop strings every event's text is checked at once, so a stop ends the request when
-        it is hit; without, held tokens are decoded once, when their chunk goes."""
+        Every event's text is checked at once, so a stop string ends the request when it is hit
+        (without stop strings the engine thread holds the tokens instead: Job.release)."""
         final = event.finish is not None
-        self.unsent.extend(event.tokens)
+        tokens = list(event.tokens)
         now = time.monotonic()
         due = final or self.last_sent is None or now - self.last_sent >= self.interval_s
-        if not due and not self.text.stop:
-            return None
-        tokens, self.unsent = self.unsent, []
         delta, stop_hit = self.text.push(tokens, final=final)
         if stop_hit:  # a stop string inside an accepted burst: the tokens after it are not output
             tokens = tokens[:len(tokens) - self.text.overshoot]

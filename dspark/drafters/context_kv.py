@@ -68,22 +68,20 @@ class ContextKV:
         if slot is not None:
             self._free.append(slot)
 
-    def layer(self, layer: int, req_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One layer's keys and values of several requests, right-padded to the longest context:
-        (k, v [R, KV, L, hd], valid [R, L] bool). One request's are a view, no copy."""
+    def gather(self, req_ids: list[str]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """Every layer's keys and values of several requests, right-padded to the longest context:
+        ([(k, v) [R, KV, L, hd] per layer], valid [R, L] bool). One request's are views, no copy."""
         lengths = [self.length(r) for r in req_ids]
-        longest = max(lengths, default=0)
-        if not longest:
-            empty = torch.zeros(len(req_ids), self.shape[0], 0, self.shape[1], device=self.device)
-            return empty, empty, torch.zeros(len(req_ids), 0, dtype=torch.bool, device=self.device)
-        device = self.device
+        longest, device = max(lengths, default=0), self.device
         valid = torch.arange(longest, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+        if not longest:
+            empty = torch.zeros(len(req_ids), self.shape[0], 0, self.shape[1], device=device)
+            return [(empty, empty)] * self.num_layers, valid
         if len(req_ids) == 1:
-            slot = self._slot[req_ids[0]]
-            return self.k[layer][slot:slot + 1, :, :longest], self.v[layer][slot:slot + 1, :, :longest], valid
-        slots = torch.tensor([self._slot.get(r, 0) for r in req_ids], device=device)
-        k, v = self.k[layer][slots, :, :longest], self.v[layer][slots, :, :longest]
-        return k, v, valid
+            pick = slice(self._slot[req_ids[0]], self._slot[req_ids[0]] + 1)
+        else:
+            pick = torch.tensor([self._slot.get(r, 0) for r in req_ids], device=device)
+        return [(k[pick, :, :longest], v[pick, :, :longest]) for k, v in zip(self.k, self.v)], valid
 
     def _grow(self, slots: int, capacity: int) -> None:
         kv_heads, head_dim = self.shape

@@ -132,10 +132,9 @@ class ParallelDrafter(Drafter):
         if self._on_cpu_kernels():
             hidden = self._run_blocks_in_cache(req_ids, anchors, lengths, starts)
         else:
-            kv = [self.contexts.layer(i, req_ids) for i in range(self.cfg.num_layers)]
+            kv, valid = self.contexts.gather(req_ids)
             starts = torch.tensor(starts, device=device)
-            hidden = self.run_blocks(anchors[:, None], starts[:, None], [(k, v) for k, v, _ in kv],
-                                     kv[0][2][:, None])[:, 0]
+            hidden = self.run_blocks(anchors[:, None], starts[:, None], kv, valid[:, None])[:, 0]
         return self.sample_block(hidden, anchors, temperatures, generators, forced_tokens, return_logits)
 
     def _on_cpu_kernels(self) -> bool:
