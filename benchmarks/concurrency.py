@@ -50,6 +50,11 @@ CONFIGS = {
     "fixed k=3, drafter inside": dict(schedule="off", draft_len=3, drafter="dspark"),
     "fixed k=7, drafter inside": dict(schedule="off", draft_len=7, drafter="dspark"),
     "scheduler, drafter inside": dict(schedule="on", draft_len=3, drafter="dspark"),
+    # The scheduler's own flags ("scheduler" key), for A/B runs of its budget rule.
+    "scheduler, drafter inside, 16 reports pooled": dict(schedule="on", draft_len=3, drafter="dspark",
+                                                         scheduler=dict(pooled_reports=16)),
+    "scheduler, drafter inside, 64 reports pooled": dict(schedule="on", draft_len=3, drafter="dspark",
+                                                         scheduler=dict(pooled_reports=64)),
 }
 
 
@@ -124,7 +129,8 @@ def start_stack(name: str, flags: dict | None, drafter_addr: str, args, log_dir:
     """One scheduler + one verifier for a configuration (the scheduler routes to that verifier only)."""
     from service_helpers import start_scheduler, start_verifier, wait_registered, wait_serving
 
-    scheduler, s_addr = start_scheduler(log_dir, [])
+    flags = dict(flags) if flags is not None else None
+    scheduler, s_addr = start_scheduler(log_dir, [], **((flags or {}).pop("scheduler", {})))
     from dspark.models.threads import available_cores
 
     # Every core, as a deployed verifier has (the test helpers default a service to one thread).

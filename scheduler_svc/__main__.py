@@ -18,7 +18,7 @@ import threading
 from dspark.proto_gen.v1 import generation_pb2_grpc, scheduler_pb2_grpc
 from dspark.serving.config import common_parser, env
 from dspark.serving.server import GrpcApp, setup_logging
-from scheduler_svc.budget_planner import BudgetPlanner
+from scheduler_svc.budget_planner import POOLED_REPORTS, BudgetPlanner
 from scheduler_svc.calibration_store import make_calibration_store
 from scheduler_svc.k8s_discovery import make_discovery
 from scheduler_svc.online_calibration import OnlineCalibrator
@@ -62,7 +62,11 @@ def parse_args(argv=None):
                          "decoding's tokens/s: the per-step model misses what drafting costs in a short batch "
                          "(its requests finish at different steps); on a 2-core host promised 1.2-1.3x gave "
                          "0.6-0.8x at 2-4 requests (docs/results.md). One request drafts on any gain.")
+    ap.add_argument("--pooled-reports", type=int, env="DSPARK_POOLED_REPORTS", default=POOLED_REPORTS,
+                    help="a verifier's budget comes from the mean survival of its newest this many step reports")
     args = ap.parse_args(argv)
+    if args.pooled_reports < 1:
+        raise SystemExit("--pooled-reports must be >= 1")
     if args.min_draft_gain < 1:
         raise SystemExit("--min-draft-gain must be >= 1")
     return args
@@ -96,7 +100,7 @@ async def serve(args) -> None:
     router = Router(registry, args.max_message_mb, args.queue_timeout_s)
     calibrator = OnlineCalibrator(make_calibration_store(store), args.calibration_refit_reports,
                                   args.calibration_refit_s, args.calibration_min_samples)
-    scheduler = SchedulerService(registry, BudgetPlanner(args.min_draft_gain), calibrator,
+    scheduler = SchedulerService(registry, BudgetPlanner(args.min_draft_gain, args.pooled_reports), calibrator,
                                  address_check=args.verifier_address_check == "on")
     app = GrpcApp("scheduler", args, [
         (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(router), "dspark.v1.Generation"),

@@ -39,10 +39,11 @@ def seconds_table(points) -> SpsTable | None:
 
 
 class BudgetPlanner:
-    def __init__(self, min_gain: float = 1.0):
+    def __init__(self, min_gain: float = 1.0, pooled_reports: int = POOLED_REPORTS):
         """min_gain: drafting must promise this many times plain decoding's throughput (see
-        scheduler_svc.__main__ --min-draft-gain)."""
-        self.min_gain = min_gain
+        scheduler_svc.__main__ --min-draft-gain); pooled_reports: how many of a verifier's newest
+        reports its budget's survivals are averaged over."""
+        self.min_gain, self.pooled_reports = min_gain, pooled_reports
         self._newest: dict[str, int] = {}  # verifier id -> step of the confidences behind its budget
         self.budgets: dict[str, int] = {}
         self.offsets: dict[str, LiveOffset] = {}
@@ -88,7 +89,7 @@ class BudgetPlanner:
         self._newest[verifier_id] = step
         draft_cost = seconds_table(draft_cost_points)
         draft_seconds = draft_cost.seconds(conf_logits.shape[0]) if draft_cost is not None else 0.0
-        recent = self._recent.setdefault(verifier_id, deque(maxlen=POOLED_REPORTS))
+        recent = self._recent.setdefault(verifier_id, deque(maxlen=self.pooled_reports))
         recent.append(calibrated_survival(conf_logits, temperatures, offset.value))
         pooled = pooled_survival(list(recent), conf_logits.shape[0])
         scale = self.drafted_scale(verifier_id)

@@ -47,10 +47,11 @@ def decision(budget=0, decided=True, **kw):
     return load_pb2.BudgetDecision(verify_budget=budget, decided=decided, **kw)
 
 
-def scheduled(default_draft_len, clock=None, probe_every=16, gamma=4, **ttl):
-    """A BudgetControl as the verifier builds it, on a drafter of block size gamma."""
+def scheduled(default_draft_len, clock=None, probe_every=16, gamma=4, remote=True, **ttl):
+    """A BudgetControl as the verifier builds it, on a drafter of block size gamma (a drafter service's
+    client, or one inside the verifier with remote=False)."""
     control = BudgetControl(probe_every=probe_every, **ttl)
-    control.make_policy(SimpleNamespace(gamma=gamma, version="v1"), default_draft_len)
+    control.make_policy(SimpleNamespace(gamma=gamma, version="v1", remote=remote), default_draft_len)
     if clock is not None:
         control.source.clock = clock
     return control
@@ -167,7 +168,7 @@ def test_budget_control_splits_step_time_into_target_pass_and_drafting():
     from dspark.speculative.engine import StepReport
 
     control = BudgetControl()
-    control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1"), default_draft_len=2)
+    control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1", remote=True), default_draft_len=2)
     first = StepReport(batch_size=2, batch_tokens=6, seconds=0.9, draft_seconds=0.6, drafted=True,
                        verified=[2, 2], accepted=[1, 0])
     control.on_step(first)  # the first draft after skipped steps: not what drafting on costs
@@ -196,7 +197,7 @@ def test_budget_control_splits_step_time_into_target_pass_and_drafting():
     control.apply(decision(0))
     assert control.policy.free_min_gain == pytest.approx(1.3)
     # Fixed draft length (--schedule=off): the scheduler's budget is never applied.
-    control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1"), default_draft_len=2, scheduled=False)
+    control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1", remote=True), default_draft_len=2, scheduled=False)
     control.apply(decision(0))
     assert control.policy.should_draft(3) and control.policy.lengths(None, [4, 4]) == [2, 2]
 
@@ -219,6 +220,31 @@ def test_budget_zero_skips_the_drafter_but_probes_and_expires():
     for _ in range(20):  # ... then silence: 20 steps
         policy.should_draft(3)
     assert policy.should_draft(3) and not source.from_scheduler and source.budget(3) == 6
+
+
+def test_a_verifier_with_its_drafter_inside_probes_after_probe_every_skipped_steps():
+    """--drafter: a probe is a whole draft on the engine thread that verifies nothing, so a budget of 0
+    waits probe_every steps before the first one, as in process."""
+    control = scheduled(2, probe_every=4, remote=False, ttl_steps=1000, ttl_s=1e9)
+    control.apply(decision(0))
+    probes = [i + 1 for i in range(60) if control.policy.should_draft(3)]
+    assert probes == [4, 12, 28, 44, 60]
+
+
+def test_planner_pools_the_survivals_of_its_newest_reports_only():
+    points = [[1, 0.010], [4, 0.0105], [8, 0.0167], [16, 0.05]]
+    logits = np.array(LOGITS)
+    for pooled in (1, 3):
+        planner = BudgetPlanner(pooled_reports=pooled)
+        planner.on_report("v", 1, logits - 8, None, points)  # a report that promises nothing
+        for step in range(2, 2 + pooled):
+            budget = planner.on_report("v", step, logits, None, points)
+        # the weak report has left the window: the budget is that of the good ones alone
+        assert budget == budget_from_survival(calibrated_survival(logits), seconds_table(points)) > 0
+    planner = BudgetPlanner(pooled_reports=4)
+    planner.on_report("v", 1, logits - 8, None, points)
+    assert planner.on_report("v", 2, logits, None, points) == budget_from_survival(
+        pooled_survival([calibrated_survival(logits - 8), calibrated_survival(logits)], 3), seconds_table(points))
 
 
 def test_an_in_process_policy_probes_after_probe_every_skipped_steps():
@@ -245,7 +271,7 @@ def test_shipped_temperatures_until_the_online_fit(tmp_path):
     assert load_calibration(tmp_path / "nowhere", "v1") is None
     shipped = np.array([0.5, 1.0, 2.0, 3.0])
     control = BudgetControl()
-    policy = control.make_policy(SimpleNamespace(gamma=4, version="v1", sts_temperatures=shipped), default_draft_len=1)
+    policy = control.make_policy(SimpleNamespace(gamma=4, version="v1", remote=True, sts_temperatures=shipped), default_draft_len=1)
     np.testing.assert_array_equal(policy.temperatures, shipped)
     control.apply(decision(decided=False, calibration=calibration(1, [2.0, 2.0, 2.0, 2.0])))
     np.testing.assert_array_equal(policy.temperatures, [2.0, 2.0, 2.0, 2.0])  # the online fit replaces it
