@@ -271,7 +271,8 @@ def test_shipped_temperatures_until_the_online_fit(tmp_path):
     assert load_calibration(tmp_path / "nowhere", "v1") is None
     shipped = np.array([0.5, 1.0, 2.0, 3.0])
     control = BudgetControl()
-    policy = control.make_policy(SimpleNamespace(gamma=4, version="v1", remote=True, sts_temperatures=shipped), default_draft_len=1)
+    drafter = SimpleNamespace(gamma=4, version="v1", remote=True, sts_temperatures=shipped)
+    policy = control.make_policy(drafter, default_draft_len=1)
     np.testing.assert_array_equal(policy.temperatures, shipped)
     control.apply(decision(decided=False, calibration=calibration(1, [2.0, 2.0, 2.0, 2.0])))
     np.testing.assert_array_equal(policy.temperatures, [2.0, 2.0, 2.0, 2.0])  # the online fit replaces it
