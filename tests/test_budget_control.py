@@ -47,11 +47,10 @@ def decision(budget=0, decided=True, **kw):
     return load_pb2.BudgetDecision(verify_budget=budget, decided=decided, **kw)
 
 
-def scheduled(default_draft_len, clock=None, probe_every=16, gamma=4, remote=True, **ttl):
-    """A BudgetControl as the verifier builds it, on a drafter of block size gamma (a drafter service's
-    client, or one inside the verifier with remote=False)."""
+def scheduled(default_draft_len, clock=None, probe_every=16, gamma=4, **ttl):
+    """A BudgetControl as the verifier builds it, on a drafter of block size gamma."""
     control = BudgetControl(probe_every=probe_every, **ttl)
-    control.make_policy(SimpleNamespace(gamma=gamma, version="v1", remote=remote), default_draft_len)
+    control.make_policy(SimpleNamespace(gamma=gamma, version="v1"), default_draft_len)
     if clock is not None:
         control.source.clock = clock
     return control
@@ -168,7 +167,7 @@ def test_budget_control_splits_step_time_into_target_pass_and_drafting():
     from dspark.speculative.engine import StepReport
 
     control = BudgetControl()
-    control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1", remote=True), default_draft_len=2)
+    control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1"), default_draft_len=2)
     first = StepReport(batch_size=2, batch_tokens=6, seconds=0.9, draft_seconds=0.6, drafted=True,
                        verified=[2, 2], accepted=[1, 0])
     control.on_step(first)  # the first draft after skipped steps: not what drafting on costs
@@ -197,7 +196,7 @@ def test_budget_control_splits_step_time_into_target_pass_and_drafting():
     control.apply(decision(0))
     assert control.policy.free_min_gain == pytest.approx(1.3)
     # Fixed draft length (--schedule=off): the scheduler's budget is never applied.
-    control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1", remote=True), default_draft_len=2, scheduled=False)
+    control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1"), default_draft_len=2, scheduled=False)
     control.apply(decision(0))
     assert control.policy.should_draft(3) and control.policy.lengths(None, [4, 4]) == [2, 2]
 
@@ -220,15 +219,6 @@ def test_budget_zero_skips_the_drafter_but_probes_and_expires():
     for _ in range(20):  # ... then silence: 20 steps
         policy.should_draft(3)
     assert policy.should_draft(3) and not source.from_scheduler and source.budget(3) == 6
-
-
-def test_a_verifier_with_its_drafter_inside_probes_after_probe_every_skipped_steps():
-    """--drafter: a probe is a whole draft on the engine thread that verifies nothing, so a budget of 0
-    waits probe_every steps before the first one, as in process."""
-    control = scheduled(2, probe_every=4, remote=False, ttl_steps=1000, ttl_s=1e9)
-    control.apply(decision(0))
-    probes = [i + 1 for i in range(60) if control.policy.should_draft(3)]
-    assert probes == [4, 12, 28, 44, 60]
 
 
 def test_planner_pools_the_survivals_of_its_newest_reports_only():
@@ -271,7 +261,7 @@ def test_shipped_temperatures_until_the_online_fit(tmp_path):
     assert load_calibration(tmp_path / "nowhere", "v1") is None
     shipped = np.array([0.5, 1.0, 2.0, 3.0])
     control = BudgetControl()
-    drafter = SimpleNamespace(gamma=4, version="v1", remote=True, sts_temperatures=shipped)
+    drafter = SimpleNamespace(gamma=4, version="v1", sts_temperatures=shipped)
     policy = control.make_policy(drafter, default_draft_len=1)
     np.testing.assert_array_equal(policy.temperatures, shipped)
     control.apply(decision(decided=False, calibration=calibration(1, [2.0, 2.0, 2.0, 2.0])))

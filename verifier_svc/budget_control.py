@@ -59,12 +59,9 @@ class BudgetControl:
             self.policy = FixedDraftLen(default_draft_len if drafter is not None else 0)
             return self.policy
         self.source = ScheduledBudget(default_draft_len, self.ttl_steps, self.ttl_s)
-        # A remote drafter answers a probe beside the target pass, so the first comes at once; one
-        # inside this process (--drafter) drafts it on the engine thread, a whole draft that verifies
-        # nothing, so it waits probe_every skipped steps as the in-process policy does.
-        first_probe = 1 if drafter.remote else self.probe_every
+        # The drafter is remote: a probe runs beside the target, so the first comes at once.
         self.policy = ConfidencePolicy(self.source, shipped_temperatures(drafter), self.explore,
-                                       probe_every=self.probe_every, first_probe=first_probe, free_sps=self.sps)
+                                       probe_every=self.probe_every, first_probe=1, free_sps=self.sps)
         self.drafter_version, self.calibration_version = drafter.version, 0
         return self.policy
 
