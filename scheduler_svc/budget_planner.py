@@ -79,18 +79,26 @@ class BudgetPlanner:
 
     def on_report(self, verifier_id: str, step: int, conf_logits: np.ndarray, temperatures, sps_points,
                   draft_cost_points=()) -> int | None:
-        """Recompute the budget from a report newer than the last one used; returns the budget in force."""
+        """One report: on_reports with it alone."""
+        return self.on_reports(verifier_id, [(step, conf_logits)], temperatures, sps_points, draft_cost_points)
+
+    def on_reports(self, verifier_id: str, reports, temperatures, sps_points, draft_cost_points=()) -> int | None:
+        """Reports [(step, conf_logits)] oldest first, as one ReportSteps call brings them: those newer
+        than the last one used join the pool, then the budget is computed once, from the newest report's
+        requests; returns the budget in force."""
         offset = self.offsets.setdefault(verifier_id, LiveOffset())
-        if step <= self._newest.get(verifier_id, -1) or conf_logits.shape[0] == 0:
-            return self.budgets.get(verifier_id)
+        newest = self._newest.get(verifier_id, -1)
+        reports = [(step, conf) for step, conf in reports if step > newest and conf.shape[0] > 0]
         sps = seconds_table(sps_points)
-        if sps is None:
+        if not reports or sps is None:
             return self.budgets.get(verifier_id)
+        recent = self._recent.setdefault(verifier_id, deque(maxlen=self.pooled_reports))
+        for _, conf in reports[-self.pooled_reports:]:  # older ones would be pushed out at once
+            recent.append(calibrated_survival(conf, temperatures, offset.value))
+        step, conf_logits = reports[-1]
         self._newest[verifier_id] = step
         draft_cost = seconds_table(draft_cost_points)
         draft_seconds = draft_cost.seconds(conf_logits.shape[0]) if draft_cost is not None else 0.0
-        recent = self._recent.setdefault(verifier_id, deque(maxlen=self.pooled_reports))
-        recent.append(calibrated_survival(conf_logits, temperatures, offset.value))
         pooled = pooled_survival(list(recent), conf_logits.shape[0])
         scale = self.drafted_scale(verifier_id)
         budget = self.budgets[verifier_id] = budget_from_survival(pooled, sps, draft_seconds, scale, self.min_gain)

@@ -23,7 +23,7 @@ from dspark.serving.config import aio_channel
 from dspark.serving.guard import caller_identity
 from dspark.serving.requests import RequestError, check_request
 from dspark.wire import WireError, tensor_from_proto
-from scheduler_svc.budget_planner import POOLED_REPORTS, BudgetPlanner
+from scheduler_svc.budget_planner import BudgetPlanner
 from scheduler_svc.online_calibration import OnlineCalibrator
 from scheduler_svc.registry import Registry
 from scheduler_svc.verifier_binding import caller_refusal, peer_host, registration_refusal
@@ -314,9 +314,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         for s in steps:
             self.planner.observe_step(verifier_id, s.batch_size, s.batch_tokens, s.step_latency_s, any(s.verified_len),
                                       sps, draft_cost)
-        # The budget pools the newest POOLED_REPORTS reports' confidences: older ones would be pushed out.
-        for s, conf in [(s, conf) for s, conf in zip(steps, confs) if conf is not None][-POOLED_REPORTS:]:
-            self.planner.on_report(verifier_id, s.step, conf, temperatures, sps, draft_cost)
+        # Every report of the call joins the budget's pool, then the budget is computed once.
+        self.planner.on_reports(verifier_id, [(s.step, conf) for s, conf in zip(steps, confs) if conf is not None],
+                                temperatures, sps, draft_cost)
         return self._decision(verifier_id, drafter_version)
 
     def _count_outcomes(self, drafter_version: str, steps: list) -> None:

@@ -237,6 +237,21 @@ def test_planner_pools_the_survivals_of_its_newest_reports_only():
         pooled_survival([calibrated_survival(logits - 8), calibrated_survival(logits)], 3), seconds_table(points))
 
 
+def test_planner_takes_a_calls_reports_at_once_as_it_would_one_by_one():
+    """ReportSteps brings several steps: they join the pool together and the budget is computed once,
+    the same budget as reporting them one at a time; steps already used are ignored."""
+    points = [[1, 0.010], [4, 0.0105], [8, 0.0167], [16, 0.05]]
+    logits = np.array(LOGITS)
+    reports = [(step, logits + shift) for step, shift in zip(range(1, 8), [-6, 1, -2, 0.5, -1, 2, -0.5])]
+    one_by_one = BudgetPlanner(pooled_reports=4)
+    for step, conf in reports:
+        expected = one_by_one.on_report("v", step, conf, None, points)
+    at_once = BudgetPlanner(pooled_reports=4)
+    assert at_once.on_reports("v", reports, None, points) == expected
+    assert list(map(np.ndarray.tolist, at_once._recent["v"])) == list(map(np.ndarray.tolist, one_by_one._recent["v"]))
+    assert at_once.on_reports("v", [(3, logits - 9)], None, points) == expected  # an older step: ignored
+
+
 def test_an_in_process_policy_probes_after_probe_every_skipped_steps():
     """In process a probe is a draft on the target's own thread: it waits probe_every steps first."""
     from dspark.sched.budget_source import ScheduledBudget
