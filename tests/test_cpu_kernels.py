@@ -177,6 +177,32 @@ needs_vnni_int8 = pytest.mark.skipif(ops is None or not ops.has_int8_linear(),
                                      reason="no AVX-512 VNNI here: int8 runs on FBGEMM (test_precision covers it)")
 
 
+@needs_vnni_int8
+def test_the_int8_layer_stack_gives_the_python_loops_bits():
+    """Transformer.forward through kernels().Int8Layers (a pass's layers in one call) against its loop
+    over fused_forward: the same kernels in the same order, so the same logits, hidden states and
+    captured features, for a prompt prefilled beside another request's rows and then decode rows."""
+    target = tiny_target(layers=3)
+    target.set_precision("int8")
+    assert target._layer_stack is not None and len(target._layer_stack) == 3
+
+    def run():
+        cache = target.new_cache(2, 32)
+        a, b = cache.allocate(), cache.allocate()
+        first = target(VarlenBatch.build([[5, 9, 11, 3, 7, 2, 30], [4, 4]], [0, 0], [a, b]), cache,
+                       capture_layers=(0, 2), logits_rows="all")
+        second = target(VarlenBatch.build([[8, 1], [6]], [7, 2], [a, b]), cache, capture_layers=(2, 1),
+                        logits_rows="all")
+        return first.logits, first.features, first.hidden, second.logits, second.features, second.hidden
+
+    stacked = run()
+    stack, target._layer_stack = target._layer_stack, None  # the Python loop
+    looped = run()
+    target._layer_stack = stack
+    for x, y in zip(stacked, looped):
+        assert torch.equal(x, y)
+
+
 def int8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """int8_linear's math in fp64: each row rounded to int8 on max |x| / 127 (in fp32, as the kernel
     rounds), the weights to int8 on their channel's scale, the integer dot products exact."""

@@ -22,7 +22,7 @@ from dspark.models.precision import cpu_flags
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_kernels.cpp", "gguf_matmul.cpp", "gguf_q8_matmul.cpp", "int8_matmul.cpp",
-                        "draft_chain.cpp")]
+                        "draft_chain.cpp", "layer_stack.cpp")]
 HEADERS = [Path(__file__).with_name("release_gil.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 

@@ -530,6 +530,7 @@ void register_gguf_matmul(pybind11::module& m);     // gguf_matmul.cpp
 void register_gguf_q8_matmul(pybind11::module& m);  // gguf_q8_matmul.cpp
 void register_int8_matmul(pybind11::module& m);     // int8_matmul.cpp
 void register_draft_chain(pybind11::module& m);     // draft_chain.cpp
+void register_layer_stack(pybind11::module& m);     // layer_stack.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("cached_attention", &cached_attention, kReleaseGil, "attention of new rows over their slot's KV cache");
@@ -547,4 +548,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     register_gguf_q8_matmul(m);
     register_int8_matmul(m);
     register_draft_chain(m);
+    register_layer_stack(m);
 }

@@ -1,0 +1,97 @@
+// A decoder's layers in one call on the int8 CPU path: the same kernels, in the same order, as the
+// Python loop over DecoderLayer.fused_forward, so the same bits.
+//
+// Why: a decode pass of SmolLM2 is 30 layers of eight kernel calls, and each call from Python paid a
+// frame, attribute lookups and pybind's conversion of every tensor argument and result; at one row
+// that glue was ~1 ms of a ~7 ms pass (docs/results.md, session 22). Here the weights are taken once
+// (add_layer, when the model is put on its kernels) and a pass is one call.
+#include <torch/extension.h>
+
+#include "release_gil.h"
+
+#include <unordered_map>
+#include <vector>
+
+// The kernels a layer runs (cpu_kernels.cpp, int8_matmul.cpp).
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, c10::optional<torch::Tensor> bias);
+torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps,
+                           bool bf16_out);
+torch::Tensor rope_cache_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor signed_sin,
+                                   torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                                   torch::Tensor positions, int64_t heads, bool bf16_out,
+                                   c10::optional<torch::Tensor> key_counts);
+torch::Tensor silu_mul(torch::Tensor gate_up, bool bf16_out);
+
+namespace {
+
+struct Int8Matmul {
+    torch::Tensor packed, scale;
+    c10::optional<torch::Tensor> bias;
+    torch::Tensor operator()(const torch::Tensor& x) const { return int8_linear(x, packed, scale, bias); }
+};
+
+struct Layer {
+    torch::Tensor norm1, norm2;
+    double eps1, eps2;
+    Int8Matmul qkv, o, gate_up, down;
+    int64_t heads;
+};
+
+class Int8Layers {
+public:
+    void add_layer(torch::Tensor norm1, double eps1, torch::Tensor qkv_packed, torch::Tensor qkv_scale,
+                   c10::optional<torch::Tensor> qkv_bias, torch::Tensor o_packed, torch::Tensor o_scale,
+                   c10::optional<torch::Tensor> o_bias, torch::Tensor norm2, double eps2, torch::Tensor gate_up_packed,
+                   torch::Tensor gate_up_scale, c10::optional<torch::Tensor> gate_up_bias, torch::Tensor down_packed,
+                   torch::Tensor down_scale, c10::optional<torch::Tensor> down_bias, int64_t heads) {
+        layers_.push_back(Layer{norm1, norm2, eps1, eps2, {qkv_packed, qkv_scale, qkv_bias},
+                                {o_packed, o_scale, o_bias}, {gate_up_packed, gate_up_scale, gate_up_bias},
+                                {down_packed, down_scale, down_bias}, heads});
+    }
+
+    int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+    // x [N, d] float32, the residual stream: every layer but the last adds its output to it in place.
+    // Returns the last layer's MLP output (not yet added, as DecoderLayer.fused_forward returns it) and
+    // x + that layer's output for each layer in `capture`, in capture's order.
+    std::tuple<torch::Tensor, std::vector<torch::Tensor>> forward(
+            torch::Tensor x, torch::Tensor cos, torch::Tensor signed_sin, const std::vector<torch::Tensor>& k_cache,
+            const std::vector<torch::Tensor>& v_cache, torch::Tensor slots, torch::Tensor positions,
+            const std::vector<int64_t>& capture) const {
+        const int64_t n_layers = size();
+        TORCH_CHECK(static_cast<int64_t>(k_cache.size()) == n_layers && static_cast<int64_t>(v_cache.size()) == n_layers,
+                    "one key and one value cache a layer");
+        std::unordered_map<int64_t, torch::Tensor> captured;
+        c10::optional<torch::Tensor> delta;
+        for (int64_t i = 0; i < n_layers; ++i) {
+            const Layer& layer = layers_[i];
+            torch::Tensor h = add_rms_norm(x, delta, layer.norm1, layer.eps1, false);
+            h = rope_cache_attention(layer.qkv(h), cos, signed_sin, k_cache[i], v_cache[i], slots, positions,
+                                     layer.heads, false, c10::nullopt);
+            h = add_rms_norm(x, layer.o(h), layer.norm2, layer.eps2, false);
+            delta = layer.down(silu_mul(layer.gate_up(h), false));
+            for (int64_t c : capture)
+                if (c == i) captured[i] = x + *delta;
+        }
+        std::vector<torch::Tensor> out;
+        for (int64_t c : capture) {
+            TORCH_CHECK(captured.count(c), "capture layer ", c, " is not one of the ", n_layers, " layers");
+            out.push_back(captured[c]);
+        }
+        TORCH_CHECK(delta.has_value(), "no layers");
+        return {*delta, out};
+    }
+
+private:
+    std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void register_layer_stack(pybind11::module& m) {
+    pybind11::class_<Int8Layers>(m, "Int8Layers", "a decoder's layers on the int8 kernels, a pass in one call")
+        .def(pybind11::init<>())
+        .def("add_layer", &Int8Layers::add_layer)
+        .def("__len__", &Int8Layers::size)
+        .def("forward", &Int8Layers::forward, kReleaseGil);
+}
