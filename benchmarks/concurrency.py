@@ -129,8 +129,9 @@ def start_stack(name: str, flags: dict | None, drafter_addr: str, args, log_dir:
     """One scheduler + one verifier for a configuration (the scheduler routes to that verifier only)."""
     from service_helpers import start_scheduler, start_verifier, wait_registered, wait_serving
 
-    flags = dict(flags) if flags is not None else None
-    scheduler, s_addr = start_scheduler(log_dir, [], **((flags or {}).pop("scheduler", {})))
+    scheduler_flags = (flags or {}).get("scheduler", {})
+    flags = flags if flags is None else {k: v for k, v in flags.items() if k != "scheduler"}
+    scheduler, s_addr = start_scheduler(log_dir, [], **scheduler_flags)
     from dspark.models.threads import available_cores
 
     # Every core, as a deployed verifier has (the test helpers default a service to one thread).

@@ -9,7 +9,6 @@
 
 #include "release_gil.h"
 
-#include <unordered_map>
 #include <vector>
 
 // The kernels a layer runs (cpu_kernels.cpp, int8_matmul.cpp).
@@ -61,7 +60,7 @@ public:
         const int64_t n_layers = size();
         TORCH_CHECK(static_cast<int64_t>(k_cache.size()) == n_layers && static_cast<int64_t>(v_cache.size()) == n_layers,
                     "one key and one value cache a layer");
-        std::unordered_map<int64_t, torch::Tensor> captured;
+        std::vector<torch::Tensor> captured(capture.size());
         c10::optional<torch::Tensor> delta;
         for (int64_t i = 0; i < n_layers; ++i) {
             const Layer& layer = layers_[i];
@@ -70,16 +69,13 @@ public:
                                      layer.heads, false, c10::nullopt);
             h = add_rms_norm(x, layer.o(h), layer.norm2, layer.eps2, false);
             delta = layer.down(silu_mul(layer.gate_up(h), false));
-            for (int64_t c : capture)
-                if (c == i) captured[i] = x + *delta;
+            for (size_t j = 0; j < capture.size(); ++j)
+                if (capture[j] == i) captured[j] = x + *delta;
         }
-        std::vector<torch::Tensor> out;
-        for (int64_t c : capture) {
-            TORCH_CHECK(captured.count(c), "capture layer ", c, " is not one of the ", n_layers, " layers");
-            out.push_back(captured[c]);
-        }
+        for (size_t j = 0; j < capture.size(); ++j)
+            TORCH_CHECK(captured[j].defined(), "capture layer ", capture[j], " is not one of the ", n_layers, " layers");
         TORCH_CHECK(delta.has_value(), "no layers");
-        return {*delta, out};
+        return {*delta, captured};
     }
 
 private:

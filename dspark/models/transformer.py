@@ -280,7 +280,7 @@ class Transformer(nn.Module):
             layer.__dict__.pop("_parts", None)
         # fusing projections happens only here: whether the fused layer path applies is known now
         self._fused_layers = all(layer.fusable for layer in self.model.layers)
-        self._layer_stack = int8_layer_stack(self.model.layers) if self._fused_layers else None
+        self._layer_stack = int8_layer_stack(self.model.layers)
         return self.precision
 
     @property
@@ -333,18 +333,18 @@ class Transformer(nn.Module):
         rope = rope_tables(cos.to(x.dtype), sin.to(x.dtype))
         captured = {}
         plan = plan_attention(batch, cache, self.cached_kernel)
-        if plan.cached_kernel and self._layer_stack is not None:
-            n = x.shape[0]
-            delta, rows = self._layer_stack.forward(x, rope[0].view(n, -1), rope[1].view(n, -1), cache.k, cache.v,
-                                                    plan.write_slots, plan.write_positions, list(capture_layers))
-            captured = dict(zip(capture_layers, rows))
-            hidden = kernels().add_rms_norm(x, delta, self.model.norm.weight, self.model.norm.eps, False)
-        elif plan.cached_kernel and self._fused_layers:
-            delta = None  # the last layer's output, not yet added to x
-            for i, layer in enumerate(self.model.layers):
-                delta = layer.fused_forward(x, delta, rope, plan, cache)
-                if i in capture_layers:
-                    captured[i] = x + delta  # a copy: x itself keeps changing in place
+        if plan.cached_kernel and self._fused_layers:
+            if self._layer_stack is not None:  # the loop below in one C++ call (int8)
+                n = x.shape[0]
+                delta, rows = self._layer_stack.forward(x, rope[0].view(n, -1), rope[1].view(n, -1), cache.k, cache.v,
+                                                        plan.write_slots, plan.write_positions, list(capture_layers))
+                captured = dict(zip(capture_layers, rows))
+            else:
+                delta = None  # the last layer's output, not yet added to x
+                for i, layer in enumerate(self.model.layers):
+                    delta = layer.fused_forward(x, delta, rope, plan, cache)
+                    if i in capture_layers:
+                        captured[i] = x + delta  # a copy: x itself keeps changing in place
             hidden = kernels().add_rms_norm(x, delta, self.model.norm.weight, self.model.norm.eps, False)
         else:
             for i, layer in enumerate(self.model.layers):
