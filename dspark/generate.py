@@ -11,7 +11,7 @@ import time
 from dspark.device import add_device_flag, describe, device_or_exit
 from dspark.drafters.ahead import DraftAheadThread
 from dspark.drafters.lookup import LookupDrafter
-from dspark.drafters.shipped import load_drafter_for
+from dspark.drafters.shipped import load_datastore_for, load_drafter_for
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag
 from dspark.models.threads import configure_threads
@@ -29,6 +29,9 @@ def main(argv=None):
                     help="draft tokens verified per request per step (default: the block size)")
     ap.add_argument("--lookup", default="on", choices=["on", "off"],
                     help="prompt lookup in front of the drafter (dspark/drafters/lookup.py)")
+    ap.add_argument("--datastore", default="auto",
+                    help="with --lookup on: lookup in the target's own answers too (dspark/drafters/datastore.py); "
+                         "auto: the shipped one, off, or a datastore file")
     ap.add_argument("--draft-ahead", default="off", choices=["on", "off"],
                     help="on: the drafter drafts the next block on a thread of its own while the target verifies "
                          "(dspark/drafters/ahead.py); off by default: on a 2-core CPU the thread takes a core "
@@ -47,7 +50,7 @@ def main(argv=None):
     if drafter is not None and args.draft_ahead == "on" and drafter.drafts_ahead:
         drafter = DraftAheadThread(drafter)
     if drafter is not None and args.lookup == "on":
-        drafter = LookupDrafter(drafter)
+        drafter = LookupDrafter(drafter, datastore=load_datastore_for(loaded.name, args.datastore))
     print(f"[{loaded.name}: {loaded.model.precision} matmuls on {describe(device)}, {threads} CPU threads]", flush=True)
     policy = FixedDraftLen(args.draft_len if args.draft_len is not None else (drafter.gamma if drafter else 0))
     engine = SpecEngine(loaded.model, drafter, policy, max_batch=4, max_len=2048)
@@ -63,7 +66,8 @@ def main(argv=None):
         printed = len(text)
     elapsed = time.perf_counter() - start
     m = seq.spec.metrics
-    lookup = (" + prompt lookup" if args.lookup == "on" else "") + (
+    datastore = getattr(drafter, "datastore", None)
+    lookup = (" + prompt lookup" if args.lookup == "on" else "") + (" + datastore" if datastore is not None else "") + (
         ", drafting ahead" if isinstance(getattr(drafter, "inner", drafter), DraftAheadThread) else "")
     label = f"{drafter.kind} drafter{lookup}" if drafter else "no drafter (plain decoding)"
     print(f"\n\n[{loaded.name}, {label}] {len(seq.output)} tokens in {elapsed:.2f}s = "

@@ -16,7 +16,7 @@ import socket
 from dspark.device import add_device_flag, describe, device_or_exit
 from dspark.drafters.ahead import DraftAheadThread
 from dspark.drafters.lookup import LookupDrafter
-from dspark.drafters.shipped import load_drafter_for
+from dspark.drafters.shipped import load_datastore_for, load_drafter_for
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag
 from dspark.models.threads import SMALL_HOST_CORES, available_cores, configure_threads, share_gil_with_torch_thread
@@ -59,6 +59,10 @@ def parse_args(argv=None):
                     help="on: prompt lookup first, here where the tokens are (a request whose text repeats drafts "
                          "what followed before, no round trip; dspark/drafters/lookup.py), the drafter service "
                          "for the rest")
+    ap.add_argument("--datastore", env="DSPARK_DATASTORE", default="auto",
+                    help="with --lookup on, where a request's text did not repeat itself: the continuation of its "
+                         "suffix in the target's own answers to other prompts (dspark/drafters/datastore.py). auto: "
+                         "drafters/<model>/datastore.npz when shipped; off; or a datastore file")
     ap.add_argument("--draft-ahead", env="DSPARK_DRAFT_AHEAD", default="auto", choices=["auto", "on", "off"],
                     help="on: while the target verifies a block, the drafter service drafts the next one on the "
                          "guess that the block is accepted (dspark/speculative/engine.py _draft_ahead); a step "
@@ -161,8 +165,10 @@ async def serve(args) -> None:
                       args.drafter_wait_s)
         ahead = args.draft_ahead == "on" or (args.draft_ahead == "auto" and ahead_pays(args.drafter_addr,
                                                                                        available_cores()))
+    datastore = None
     if drafter is not None and args.lookup == "on":
-        drafter = LookupDrafter(drafter)
+        datastore = await asyncio.to_thread(load_datastore_for, loaded.name, args.datastore)
+        drafter = LookupDrafter(drafter, datastore=datastore)
     draft_len = (args.draft_len if args.draft_len >= 0 else drafter.gamma) if drafter is not None else 0
     policy = control.make_policy(drafter, draft_len, args.schedule == "on")
     # Built on the torch thread too: its KV-cache fill is a parallel region, and a second thread's
@@ -211,6 +217,7 @@ async def serve(args) -> None:
         app.on_shutdown.insert(0, reporter.close)
     app.on_shutdown.append(lambda: asyncio.to_thread(runner.stop))
     drafting = (drafter.kind + (" + prompt lookup" if args.lookup == "on" else "")
+                + (f" + a datastore of {datastore.tokens:,} tokens" if datastore is not None else "")
                 + (" inside the verifier" if remote is None else "")
                 + (", drafting ahead" if ahead and drafter.drafts_ahead else "")) if drafter else "none"
     log.info("verifier %s serving %s (%s matmuls on %s) at %s (drafter: %s, draft len %d, max batch %d, "

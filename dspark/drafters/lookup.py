@@ -9,10 +9,16 @@ requests with one skip it. Their new context rows wait (here for a local drafter
 for the drafter service) and reach the drafter in one batch when it drafts for them again, so a
 step that lookup answers costs no drafter compute and no round trip.
 
-Confidences of lookup blocks are what lookup has earned: per match length and block position, the
-share of its past guesses that the tokens decided since confirmed (LookupStats), as logits that
-the policy takes as they are (DraftBlock.calibrated) beside the drafter's calibrated ones. Positions past a short guess get
-NO_GUESS (never worth verifying; a fixed-length policy verifies them anyway, harmlessly).
+With a datastore (datastore.py: the target's own answers to other prompts), a request whose text did
+not repeat itself looks there next: the most frequent continuation of its suffix across those answers,
+taken when at least `min_share` of the occurrences went on with its first token. Both are lookups:
+point masses, no drafter compute, the same verification.
+
+Confidences of lookup blocks are what lookup has earned: per match length (prompt lookup) or first-token
+share (datastore) and block position, the share of its past guesses that the tokens decided since
+confirmed (LookupStats), as logits that the policy takes as they are (DraftBlock.calibrated) beside the
+drafter's calibrated ones. Positions past a short guess get NO_GUESS (never worth verifying; a
+fixed-length policy verifies them anyway, harmlessly).
 """
 from __future__ import annotations
 
@@ -21,10 +27,12 @@ import math
 import torch
 
 from dspark.drafters.base import DraftBlock, merge_rows
+from dspark.drafters.datastore import Datastore
 from dspark.drafters.ngram_index import NgramIndex
 
 NO_GUESS = -30.0  # confidence logit of a slot that lookup had nothing for
 FLUSH_ROWS = 64  # context rows held back from the drafter at most (bounds what a long loop keeps here)
+SHARE_BUCKETS = 10  # datastore guesses are scored by their first token's share, in tenths
 
 
 class LookupStats:
@@ -56,12 +64,16 @@ class LookupDrafter:
     lookup block costs no round trip to the drafter service. Anything else about the drafter
     (its config, DrafterInfo, calibration) is the inner drafter's."""
 
-    def __init__(self, inner, min_n: int = 2, max_n: int = 4):
+    def __init__(self, inner, min_n: int = 2, max_n: int = 4, datastore: Datastore | None = None,
+                 min_share: float = 0.5):
         self.inner, self.min_n, self.max_n = inner, min_n, max_n
-        self.stats = LookupStats(max_n, inner.gamma)
+        self.datastore, self.min_share = datastore, min_share
+        self.stats = LookupStats(max_n, inner.gamma)  # prompt lookup's, by match length
+        self.datastore_stats = LookupStats(SHARE_BUCKETS, inner.gamma)  # the datastore's, by first share
         self._texts: dict[str, NgramIndex] = {}
         self._held: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # rows not given to the drafter yet
-        self._guesses: dict[str, tuple[int, list[int], int]] = {}  # req -> (anchor position, guess, n)
+        # req -> (anchor position, guess, its stats, their key)
+        self._guesses: dict[str, tuple[int, list[int], LookupStats, int]] = {}
         self._looked_up: set[str] = set()  # requests whose last block was lookup's
 
     # ---- what it is: the inner drafter's ----
@@ -176,25 +188,34 @@ class LookupDrafter:
         guesses = self._look_up(req_ids, [text[-1] for text in texts])
         return self._merge(len(req_ids), guesses, [], None, device) if guesses else None
 
-    def _look_up(self, req_ids: list[str], anchors: list[int]) -> dict[int, tuple[list[int], int]]:
-        """{row: (guess, n)} for the requests whose suffix occurred before; remembered for scoring."""
+    def _look_up(self, req_ids: list[str], anchors: list[int]) -> dict[int, tuple[list[int], list[float]]]:
+        """{row: (guess, confidence logits)} for the requests whose suffix occurred before, in their own
+        text or in the datastore; remembered for scoring."""
         guesses = {}
         for i, (req_id, anchor) in enumerate(zip(req_ids, anchors)):
             text = self._text(req_id)
             self._settle(req_id, text, anchor)
             guess, n = text.continuation(anchor, self.gamma)
-            if n:
-                guesses[i] = (guess, n)
-                self._guesses[req_id] = (len(text), guess, n)
+            stats, key = self.stats, n
+            if not n and self.datastore is not None:
+                guess, shares, _, _ = self.datastore.continuation(text.tokens[-self.datastore.max_n:] + [anchor],
+                                                                  self.gamma)
+                if guess and shares[0] >= self.min_share:
+                    stats, key = self.datastore_stats, min(int(shares[0] * SHARE_BUCKETS), SHARE_BUCKETS)
+                else:
+                    guess = []
+            if guess:
+                guesses[i] = (guess, stats.logits(key, len(guess)))
+                self._guesses[req_id] = (len(text), guess, stats, key)
         return guesses
 
     def _settle(self, req_id: str, text: NgramIndex, anchor: int) -> None:
         """Score this request's last guess against the tokens decided since (the anchor included)."""
         last = self._guesses.pop(req_id, None)
         if last is not None:
-            position, guess, n = last
+            position, guess, stats, key = last
             decided = text.tokens[position + 1:] + [anchor]
-            self.stats.record(n, guess, decided)
+            stats.record(key, guess, decided)
 
     def _merge(self, num: int, guesses: dict, rest: list[int], inner: DraftBlock | None, device) -> DraftBlock:
         """One block: lookup's rows as point masses with lookup's confidences (taken as they are), the
@@ -204,9 +225,8 @@ class LookupDrafter:
         rows, conf_rows = [[0] * gamma for _ in mine], [[NO_GUESS] * gamma for _ in mine]
         for j, i in enumerate(mine):
             if i in guesses:
-                guess, n = guesses[i]
+                guess, conf_rows[j] = guesses[i]
                 rows[j] = guess + [guess[-1]] * (gamma - len(guess))  # past the guess: a filler, NO_GUESS
-                conf_rows[j] = self.stats.logits(n, len(guess))
         tokens = torch.tensor(rows, dtype=torch.long, device=device)  # built on the host, one copy
         conf = torch.tensor(conf_rows, dtype=torch.float32, device=device) if self.inner.has_confidence else None
         lookup = DraftBlock(tokens, conf, tokens[..., None], torch.ones(len(mine), gamma, 1, device=device),

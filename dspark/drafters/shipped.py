@@ -11,6 +11,9 @@ from dspark.models.precision import apply_precision
 SHIPPED_DRAFTERS = Path(__file__).resolve().parents[2] / "drafters"
 
 
+DATASTORE_FILE = "datastore.npz"  # drafters/<model>/: the target's own answers (dspark/drafters/datastore.py)
+
+
 def default_drafter_dir(model_name: str, kind: str = "dspark") -> Path | None:
     path = SHIPPED_DRAFTERS / model_name / kind
     return path if (path / "config.json").exists() else None
@@ -38,3 +41,18 @@ def load_drafter_for(loaded, drafter: str | None, precision: str = "fp32"):
     temperatures = load_calibration(path, module.version) if module.has_confidence else None
     module.sts_temperatures = np.array(temperatures, dtype=np.float64) if temperatures else None
     return module
+
+
+def load_datastore_for(model_name: str, choice: str = "auto"):
+    """'off' -> None; 'auto' -> the one shipped for this target (drafters/<model>/datastore.npz), None
+    when there is none; else a path to a datastore file (built by dspark.train.build_datastore)."""
+    from dspark.drafters.datastore import Datastore
+
+    if choice == "off":
+        return None
+    path = SHIPPED_DRAFTERS / model_name / DATASTORE_FILE if choice == "auto" else Path(choice)
+    if not path.exists():
+        if choice == "auto":
+            return None
+        raise FileNotFoundError(f"no datastore at {path}")
+    return Datastore.load(path)

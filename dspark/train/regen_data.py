@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 LOOP_UNSUPERVISED = 128
+HELD_OUT_SHARE = 0.02
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ def is_held_out(record_id: str, share: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < share
 
 
-def load_split(directory: str | Path, held_out_share: float = 0.02,
+def load_split(directory: str | Path, held_out_share: float = HELD_OUT_SHARE,
                max_len: int | None = None) -> tuple[list[RegenSequence], list[RegenSequence]]:
     """(training, held-out) sequences with at least one supervised token."""
     train, held = [], []
