@@ -1,7 +1,7 @@
 """Confidence-scheduled verification under load: tokens/s through the three services (drafter,
 verifier, scheduler as separate processes, gRPC) at each concurrency, for plain decoding,
 fixed k = 1, 3, 7 and the scheduler (two-step rule, method.md 5), with the drafter as its own service
-and inside the verifier (--drafter), in one run.
+and inside the verifier (--drafter), with and without the verifier's datastore, in one run.
 
     python benchmarks/concurrency.py [--concurrency 1 2 4 8 16 32] [--max-tokens 32]
                                      [--seconds 6] [--repeats 3] [--drafter DIR]
@@ -50,6 +50,7 @@ CONFIGS = {
     "fixed k=3, drafter inside": dict(schedule="off", draft_len=3, drafter="dspark"),
     "fixed k=7, drafter inside": dict(schedule="off", draft_len=7, drafter="dspark"),
     "scheduler, drafter inside": dict(schedule="on", draft_len=3, drafter="dspark"),
+    "scheduler, drafter inside, no datastore": dict(schedule="on", draft_len=3, drafter="dspark", datastore="off"),
     # The scheduler's own flags ("scheduler" key), for A/B runs of its budget rule.
     "scheduler, drafter inside, 16 reports pooled": dict(schedule="on", draft_len=3, drafter="dspark",
                                                          scheduler=dict(pooled_reports=16)),

@@ -1,9 +1,9 @@
 """One request at a time, per eval set: what a single user sees. Plain decoding in this process
-(the bar speculation has to clear) and, in the same process, DSpark with prompt lookup at fixed
-k = 3 and 7; then through the three services (drafter, verifier, scheduler as separate processes,
-gRPC): plain decoding, fixed k = 3 and 7, and the confidence scheduler, with and without
-draft-ahead and the verifier's prompt lookup; and llama.cpp's plain decoding of the same GGUF, fed the same token ids,
-in the same run.
+(the bar speculation has to clear) and, in the same process, DSpark with prompt lookup and the
+shipped datastore at fixed k = 3 and 7 (and k = 3 without the datastore); then through the three
+services (drafter, verifier, scheduler as separate processes, gRPC): plain decoding, fixed k = 3 and
+7, and the confidence scheduler, with and without draft-ahead, the verifier's prompt lookup and its
+datastore; and llama.cpp's plain decoding of the same GGUF, fed the same token ids, in the same run.
 
     python benchmarks/single_stream.py [--prompts 3] [--max-tokens 128] [--drafter DIR]
 
@@ -35,10 +35,14 @@ SERVICE_CONFIGS = {  # name -> verifier flags (None: no drafter); lookup on unle
     "services scheduler, draft-ahead": dict(schedule="on", draft_len=3, draft_ahead="on"),
     "services scheduler, no lookup": dict(schedule="on", draft_len=3, lookup="off"),
     # The same drafter inside the verifier (--drafter): no drafter service, no round trip.
+    "services k=3, drafter inside": dict(schedule="off", draft_len=3, drafter="dspark"),
     "services k=7, drafter inside": dict(schedule="off", draft_len=7, drafter="dspark"),
     "services scheduler, drafter inside": dict(schedule="on", draft_len=3, drafter="dspark"),
+    "services scheduler, drafter inside, no datastore": dict(schedule="on", draft_len=3, drafter="dspark",
+                                                             datastore="off"),
 }
-IN_PROCESS_SPEC = {"in-process k=3": 3, "in-process k=7": 7}  # DSpark + prompt lookup, this process
+# DSpark + prompt lookup + the shipped datastore (or not), this process: name -> (k, datastore)
+IN_PROCESS_SPEC = {"in-process k=3": (3, True), "in-process k=7": (7, True), "in-process k=3, no datastore": (3, False)}
 
 
 def in_process(engine, ids: list[int], max_tokens: int) -> tuple[list[int], float, int]:
@@ -83,7 +87,7 @@ def main(argv=None) -> None:
     from service_helpers import start_drafter, wait_serving
 
     from dspark.drafters.lookup import LookupDrafter
-    from dspark.drafters.shipped import default_drafter_dir, load_drafter_for
+    from dspark.drafters.shipped import default_drafter_dir, load_datastore_for, load_drafter_for
     from dspark.engine.generate import Engine
     from dspark.speculative.engine import SpecEngine
     from dspark.speculative.policy import FixedDraftLen
@@ -99,9 +103,11 @@ def main(argv=None) -> None:
     ids = {d: [loaded.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in ps] for d, ps in prompts.items()}
     engine = Engine(loaded.model, max_batch=1, max_len=1024)
     in_process(engine, ids[datasets[0]][0], 8)  # first-call allocations, not measured
-    local = LookupDrafter(load_drafter_for(loaded, args.drafter or "dspark", "auto"))
-    spec_engines = {name: SpecEngine(loaded.model, local, FixedDraftLen(k), max_batch=1, max_len=1024)
-                    for name, k in IN_PROCESS_SPEC.items()}
+    inner = load_drafter_for(loaded, args.drafter or "dspark", "auto")
+    datastore = load_datastore_for(loaded.name)
+    spec_engines = {name: SpecEngine(loaded.model, LookupDrafter(inner, datastore=datastore if ds else None),
+                                     FixedDraftLen(k), max_batch=1, max_len=1024)
+                    for name, (k, ds) in IN_PROCESS_SPEC.items()}
     llama = not args.skip_llamacpp
     if llama:
         try:

@@ -38,7 +38,7 @@ def suffix_order(text: np.ndarray, depth: int = SORT_DEPTH) -> np.ndarray:
 
 
 class Datastore:
-    def __init__(self, answers, min_n: int = 3, max_n: int = SORT_DEPTH, max_occurrences: int = 4096):
+    def __init__(self, answers, min_n: int = 3, max_n: int = SORT_DEPTH, max_occurrences: int = 512):
         """answers: token-id sequences (the target's answers), or a prebuilt (reversed text, order) pair
         from `load`. min_n: shortest match that makes a guess; max_occurrences: how many occurrences of
         a match at most are counted (an even sample of them), which bounds the cost of a short match."""
@@ -101,7 +101,11 @@ class Datastore:
         occurrences = int(hi - lo)
         guess, shares = [], []
         for j in range(k):
-            if not starts.size:
+            if starts.size == 1:  # one occurrence left (most long matches): the rest of its answer as it is
+                rest = self.reversed_text[max(0, int(starts[0]) - k):max(0, int(starts[0]) - j)][::-1].tolist()
+                rest = rest[:rest.index(SEP)] if SEP in rest else rest
+                guess += rest
+                shares += [1.0] * len(rest)
                 break
             before = starts - 1 - j  # the next token forwards is the one before, backwards
             nxt = np.where(before >= 0, self.reversed_text[np.maximum(before, 0)], SEP)
