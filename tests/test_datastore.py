@@ -154,3 +154,31 @@ def test_seeded_requests_replay_with_a_datastore_whatever_runs_beside_them():
     alone = run(prompts[:1])
     assert run(prompts[:1]) == alone
     assert run(prompts) == alone
+
+
+def test_the_builder_leaves_the_held_out_records_out(tmp_path):
+    import gzip
+    import json
+
+    from dspark.train.build_datastore import conversations
+    from dspark.train.regen_data import HELD_OUT_SHARE, is_held_out
+
+    held = next(f"p{i}" for i in range(10_000) if is_held_out(f"p{i}", HELD_OUT_SHARE))
+    kept = next(f"p{i}" for i in range(10_000) if not is_held_out(f"p{i}", HELD_OUT_SHARE))
+    records = [{"id": rid, "turns": [{"prompt_ids": [1, 2], "response_ids": [3, 4], "finish": "stop"},
+                                     {"prompt_ids": [5], "response_ids": [6, 7], "finish": "stop"}]}
+               for rid in (held, kept)]
+    with gzip.open(tmp_path / "shard_00000.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    assert conversations(tmp_path) == [[1, 2, 3, 4, 5, 6, 7]]  # the kept record's turns back to back
+
+
+def test_load_datastore_for(tmp_path):
+    from dspark.drafters.shipped import load_datastore_for
+
+    assert load_datastore_for("smollm2-135m", "off") is None
+    assert load_datastore_for("no-such-model", "auto") is None  # nothing shipped: no datastore, no error
+    with pytest.raises(FileNotFoundError):
+        load_datastore_for("smollm2-135m", str(tmp_path / "missing.npz"))
+    Datastore([[1, 2, 3]]).save(tmp_path / "ds.npz")
+    assert load_datastore_for("smollm2-135m", str(tmp_path / "ds.npz")).tokens == 3
