@@ -16,7 +16,7 @@ from dspark.sampling import SamplingParams
 from dspark.speculative.engine import SpecEngine
 from dspark.speculative.policy import FixedDraftLen
 from tests.spec_helpers import greedy_reference, random_drafter, tiny_target
-from tests.test_spec_decoding import _first_tokens
+from tests.test_lookup import assert_first_tokens_keep_the_targets_law, assert_seeded_replay, law_target
 
 
 def brute_force(answers, text, k, max_n=16):
@@ -46,7 +46,7 @@ def brute_force(answers, text, k, max_n=16):
 def test_match_and_continuation_equal_a_brute_force_search():
     rng = np.random.default_rng(0)
     answers = [rng.integers(0, 4, rng.integers(1, 40)).tolist() for _ in range(200)]
-    datastore = Datastore(answers, min_n=1)
+    datastore = Datastore(answers, min_n=1, max_occurrences=10**9)  # every occurrence counted, as brute force does
     for _ in range(300):
         text = rng.integers(0, 4, rng.integers(1, 20)).tolist()
         n, guess = brute_force(answers, text, 5)
@@ -117,43 +117,20 @@ def test_a_datastore_of_other_text_changes_nothing():
 
 
 def test_sampled_first_tokens_match_plain_sampling_with_a_datastore():
-    """Chi-square homogeneity: the datastore's point-mass drafts keep the target's law."""
-    from scipy.stats import chi2_contingency
-
-    from dspark.engine.generate import Engine
-
-    target = tiny_target(vocab=8, seed=5, layers=2, sharpness=3.0)
-    prompt = [1, 2, 3, 4, 5, 6, 7, 1]
+    """The datastore's point-mass drafts keep the target's law."""
+    target = law_target()
     datastore = Datastore([[6, 7, 1, 2, 3, 4], [6, 7, 1, 2, 5, 5], [7, 1, 2, 3]], min_n=2)
     drafter = LookupDrafter(random_drafter(target, "dspark", gamma=3, seed=6, support_size=4), datastore=datastore)
-    n, params = 20_000, dict(temperature=1.0)
-    plain = _first_tokens(lambda: Engine(target, max_batch=2000, max_len=24), prompt, params, n)
-    spec = _first_tokens(lambda: SpecEngine(target, drafter, FixedDraftLen(3), max_batch=2000, max_len=24),
-                         prompt, params, n)
-    assert sum(map(sum, drafter.datastore_stats.tries)) > 0
-    common = [k for k in sorted(set(plain) | set(spec)) if plain.get(k, 0) + spec.get(k, 0) >= 40]
-    table = [[counts.get(k, 0) for k in common] + [n - sum(counts.get(k, 0) for k in common)]
-             for counts in (plain, spec)]
-    _, p_value, _, _ = chi2_contingency(table)
-    assert len(common) >= 10
-    assert p_value > 0.001, (p_value, table)
+    assert_first_tokens_keep_the_targets_law(target, drafter, [1, 2, 3, 4, 5, 6, 7, 1], drafter.datastore_stats)
 
 
 def test_seeded_requests_replay_with_a_datastore_whatever_runs_beside_them():
     target = tiny_target(sharpness=3.0)
     stored = prompts_for(4, 8)
     datastore = target_datastore(target, stored)
-    prompts = [p[:-1] for p in stored[:4]]
-
-    def run(batch):
-        drafter = LookupDrafter(random_drafter(target, "dspark", support_size=4), datastore=datastore, min_share=0.3)
-        engine = SpecEngine(target, drafter, FixedDraftLen(4), max_batch=8, max_len=256)
-        seqs = engine.generate(batch, [SamplingParams(max_tokens=30, temperature=0.9, seed=7)] * len(batch))
-        return seqs[0].output
-
-    alone = run(prompts[:1])
-    assert run(prompts[:1]) == alone
-    assert run(prompts) == alone
+    assert_seeded_replay(target, lambda: LookupDrafter(random_drafter(target, "dspark", support_size=4),
+                                                       datastore=datastore, min_share=0.3),
+                         [p[:-1] for p in stored[:4]])
 
 
 def test_the_builder_leaves_the_held_out_records_out(tmp_path):

@@ -11,7 +11,7 @@ from dspark.sampling import SamplingParams
 from dspark.speculative.engine import SpecEngine
 from dspark.speculative.policy import FixedDraftLen
 from tests.spec_helpers import greedy_reference, random_drafter, tiny_target
-from tests.test_spec_decoding import _first_tokens, prompts_of
+from tests.test_spec_decoding import _first_tokens, homogeneity, prompts_of
 
 
 def index_of(tokens, min_n=2, max_n=4):
@@ -98,41 +98,51 @@ def test_lookup_blocks_carry_point_masses_and_earned_confidences():
     assert drafter.stats.hits[3][:3] == [1, 1, 0] and drafter.stats.tries[3][:3] == [1, 1, 1]
 
 
-def test_sampled_first_tokens_match_plain_sampling_with_lookup():
-    """Chi-square homogeneity, as for the drafter alone: point-mass drafts keep the target's law."""
-    from scipy.stats import chi2_contingency
+def law_target():
+    """The tiny target of the sampled-law tests: vocab 8, so 20,000 samples cover the joint law."""
+    return tiny_target(vocab=8, seed=5, layers=2, sharpness=3.0)
 
+
+def assert_first_tokens_keep_the_targets_law(target, drafter, prompt, stats):
+    """Chi-square homogeneity of the first tokens, 20,000 seeded requests with `drafter` (k = 3) and
+    as many plainly sampled; `stats` (a LookupStats) must show that the lookup under test drafted."""
     from dspark.engine.generate import Engine
 
-    target = tiny_target(vocab=8, seed=5, layers=2, sharpness=3.0)
-    drafter = LookupDrafter(random_drafter(target, "dspark", gamma=3, seed=6, support_size=4))
-    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # the suffix (1, 2) recurs: lookup drafts the first block
     n, params = 20_000, dict(temperature=1.0)
     plain = _first_tokens(lambda: Engine(target, max_batch=2000, max_len=24), prompt, params, n)
     spec = _first_tokens(lambda: SpecEngine(target, drafter, FixedDraftLen(3), max_batch=2000, max_len=24),
                          prompt, params, n)
-    assert sum(map(sum, drafter.stats.tries)) > 0
-    common = [k for k in sorted(set(plain) | set(spec)) if plain.get(k, 0) + spec.get(k, 0) >= 40]
-    table = [[counts.get(k, 0) for k in common] + [n - sum(counts.get(k, 0) for k in common)]
-             for counts in (plain, spec)]
-    _, p_value, _, _ = chi2_contingency(table)
+    assert sum(map(sum, stats.tries)) > 0
+    p_value, common, table = homogeneity(plain, spec, n)
     assert len(common) >= 10
     assert p_value > 0.001, (p_value, table)
 
 
-def test_seeded_requests_replay_with_lookup_whatever_runs_beside_them():
-    target = tiny_target(sharpness=3.0)
-    prompts = repetitive_prompts(4)
+def test_sampled_first_tokens_match_plain_sampling_with_lookup():
+    """As for the drafter alone: point-mass drafts keep the target's law."""
+    target = law_target()
+    drafter = LookupDrafter(random_drafter(target, "dspark", gamma=3, seed=6, support_size=4))
+    # the suffix (1, 2) recurs: lookup drafts the first block
+    assert_first_tokens_keep_the_targets_law(target, drafter, [1, 2, 3, 1, 2, 3, 1, 2], drafter.stats)
 
+
+def assert_seeded_replay(target, make_drafter, prompts):
+    """A seeded sampled request (the first prompt) gives the same tokens alone, again, and beside the
+    others, each run with a fresh drafter from make_drafter()."""
     def run(batch):
-        drafter = LookupDrafter(random_drafter(target, "dspark", support_size=4))
-        engine = SpecEngine(target, drafter, FixedDraftLen(4), max_batch=8, max_len=256)
+        engine = SpecEngine(target, make_drafter(), FixedDraftLen(4), max_batch=8, max_len=256)
         seqs = engine.generate(batch, [SamplingParams(max_tokens=30, temperature=0.9, seed=7)] * len(batch))
         return seqs[0].output
 
     alone = run(prompts[:1])
     assert run(prompts[:1]) == alone
     assert run(prompts) == alone
+
+
+def test_seeded_requests_replay_with_lookup_whatever_runs_beside_them():
+    target = tiny_target(sharpness=3.0)
+    assert_seeded_replay(target, lambda: LookupDrafter(random_drafter(target, "dspark", support_size=4)),
+                         repetitive_prompts(4))
 
 
 def test_held_back_rows_reach_the_drafter_before_it_drafts_and_rollbacks_see_them():

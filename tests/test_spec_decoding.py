@@ -115,12 +115,24 @@ def _first_tokens(engine_factory, prompt, params, n_samples, n_tokens=3, max_tok
     return counts
 
 
+def homogeneity(plain: dict, spec: dict, n: int, min_count: int = 40) -> tuple[float, list, list]:
+    """Chi-square homogeneity of two samples of n outcomes each: (p value, the outcomes kept, the table).
+    Outcomes seen fewer than min_count times in both together are pooled, so that every expected count
+    is large enough for chi-square."""
+    from scipy.stats import chi2_contingency
+
+    common = [k for k in sorted(set(plain) | set(spec)) if plain.get(k, 0) + spec.get(k, 0) >= min_count]
+    table = [[counts.get(k, 0) for k in common] + [n - sum(counts.get(k, 0) for k in common)]
+             for counts in (plain, spec)]
+    if table[0][-1] + table[1][-1] == 0:  # nothing rare to pool (e.g. top-p removed the tail)
+        table = [row[:-1] for row in table]
+    return chi2_contingency(table)[1], common, table
+
+
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.6), dict(temperature=1.0, top_p=0.8)],
                          ids=["t1", "t0.6", "t1-topp0.8"])
 def test_sampled_first_tokens_match_plain_sampling(params):
     """Chi-square homogeneity test: speculative vs plain sampling, 20,000 samples each, tiny vocab."""
-    from scipy.stats import chi2_contingency
-
     from dspark.engine.generate import Engine
 
     vocab = 8
@@ -131,14 +143,7 @@ def test_sampled_first_tokens_match_plain_sampling(params):
     plain = _first_tokens(lambda: Engine(target, max_batch=2000, max_len=16), prompt, params, n)
     spec = _first_tokens(lambda: SpecEngine(target, drafter, FixedDraftLen(3), max_batch=2000, max_len=16),
                          prompt, params, n)
-    keys = sorted(set(plain) | set(spec))
-    # pool rare outcomes so every expected count is large enough for chi-square
-    common = [k for k in keys if plain.get(k, 0) + spec.get(k, 0) >= 40]
-    table = [[plain.get(k, 0) for k in common] + [n - sum(plain.get(k, 0) for k in common)],
-             [spec.get(k, 0) for k in common] + [n - sum(spec.get(k, 0) for k in common)]]
-    if table[0][-1] + table[1][-1] == 0:  # nothing rare to pool (e.g. top-p removed the tail)
-        table = [row[:-1] for row in table]
-    _, p_value, _, _ = chi2_contingency(table)
+    p_value, common, table = homogeneity(plain, spec, n)
     assert len(common) >= 10  # a real joint distribution, not a few outcomes
     assert p_value > 0.001, (p_value, table)
 
