@@ -86,6 +86,7 @@ def load(args):
                                        version=f"random-{args.kind}-{args.seed}")
         drafter = build_drafter(cfg, embed, lm_head).to(args.device).eval()
     log.info("drafter matmuls on %s kernels", apply_precision(drafter, args.precision))
+    drafter.warm_up()  # before SERVING: the first request does not build the drafter's caches
     return (LookupDrafter(drafter) if args.lookup == "on" else drafter), name
 
 

@@ -47,6 +47,8 @@ def main(argv=None):
     threads = configure_threads()
     loaded = load_model(args.model, device=device, precision=args.precision)
     drafter = load_drafter_for(loaded, args.drafter, args.precision)
+    if drafter is not None:
+        drafter.warm_up()  # its caches built before the clock starts
     if drafter is not None and args.draft_ahead == "on" and drafter.drafts_ahead:
         drafter = DraftAheadThread(drafter)
     if drafter is not None and args.lookup == "on":

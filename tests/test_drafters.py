@@ -124,6 +124,20 @@ def test_drafting_after_rollback_equals_fresh_context(target, sequence, kind):
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+def test_warm_up_leaves_no_context_and_changes_no_draft(target, sequence, kind):
+    """What a service runs before SERVING: the caches of a first draft built, nothing else changed."""
+    tokens, features = sequence
+    cold, warm = make(target, kind), make(target, kind)
+    warm.warm_up()
+    assert warm.context_len("__warm_up__") == 0
+    if kind == "dspark":
+        assert "_token_biases" in warm.__dict__  # DSpark's bias table, built by the throwaway draft
+    for drafter in (cold, warm):
+        drafter.extend_context("r", features[:12], tokens[:12])
+    _assert_same_block(_draft_seeded(warm, ["r"], tokens[12:13]), _draft_seeded(cold, ["r"], tokens[12:13]))
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
 def test_batched_drafting_equals_one_by_one(target, sequence, kind):
     tokens, features = sequence
     drafter = make(target, kind)

@@ -151,6 +151,7 @@ async def serve(args) -> None:
             raise SystemExit(f"--drafter {args.drafter!r}: no checkpoint directory and no shipped drafter of that "
                              f"kind for {loaded.name}")
         info = drafter_info(drafter, loaded.name, drafter.sts_temperatures)
+        await on_torch(drafter.warm_up)  # before SERVING: the first request does not build its caches
         # Beside the target's pass only on a thread of its own, and only where it has a core to itself.
         ahead = args.draft_ahead == "on" or (args.draft_ahead == "auto" and available_cores() >= SMALL_HOST_CORES)
         if ahead and drafter.drafts_ahead:

@@ -192,6 +192,20 @@ class Drafter(nn.Module):
     def draft_ahead(self, req_ids, anchors, gaps, temperatures) -> None:
         """Nothing: in process the target's pass already uses the cores a drafter would."""
 
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """One greedy draft for a throwaway request, so that what a first draft builds (DSpark's bias
+        table after every draft token: 0.23 s on a 2-core CPU) and every kernel's first call are paid
+        before a service reports SERVING, not by its first request."""
+        req_id = "__warm_up__"
+        width = len(self.ctx_layers) * self.cfg.hidden_size
+        device = self.lm_head_draft.device
+        self.extend_context(req_id, torch.zeros(4, width, device=device), torch.zeros(4, dtype=torch.long, device=device))
+        try:
+            self.draft([req_id], torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, device=device), [None])
+        finally:
+            self.release(req_id)
+
     def draft(self, req_ids: list[str], anchors: torch.Tensor, temperatures: torch.Tensor, generators: list,
               forced_tokens: torch.Tensor | None = None, return_logits: bool = False) -> DraftBlock:
         """Batched over requests; request i's anchor sits at position context_len(req_ids[i]).
