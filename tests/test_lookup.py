@@ -290,3 +290,39 @@ def test_the_drafters_report_and_checks_leave_out_the_rows_lookup_filled():
         mixed += bool(lookup) and bool(report.req_ids)
     assert mixed > 0  # steps where both kinds of rows were drafted did happen
     assert [s.output for s in seqs] == greedy_reference(target, prompts, 30)
+
+
+def test_free_lookups_are_skipped_where_even_the_best_guess_cannot_pay():
+    """Lookups cost time even when nothing is verified: at a batch where verifying guesses as good as
+    the best of the last free block would not pay, none are looked up, but for one look every
+    probe_every steps (the bound may have changed); at a batch where it would pay, every step looks."""
+    import numpy as np
+
+    from dspark.sched.budget_source import ScheduledBudget
+    from dspark.speculative.policy import ConfidencePolicy
+
+    target = tiny_target()
+    drafter = LookupDrafter(random_drafter(target, "dspark", gamma=4))
+    block = drafter.free_draft(["a", "b"], [[3, 4, 3, 4, 3], [5, 6, 7, 8, 9]])  # a guesses (p = 1/2 each), b not
+    # A step takes max(2, tokens) time units: one request's guess rides along almost free, while at
+    # eight requests every verified row costs what a request's token does.
+    policy = ConfidencePolicy(ScheduledBudget(3), free_sps=lambda b: 1.0 / np.maximum(2.0, np.asarray(b, float)),
+                              probe_every=4)
+    assert policy.free_may_pay(8)  # no free block seen yet: look
+    policy.free_lengths(block, [4, 4])
+    assert policy.free_may_pay(1)
+    assert [policy.free_may_pay(8) for _ in range(5)] == [False, False, False, False, True]
+    assert policy.free_may_pay(1)
+
+
+def test_a_policy_that_never_verifies_free_blocks_never_looks_them_up():
+    target = tiny_target()
+    drafter = LookupDrafter(random_drafter(target, "dspark"))
+    calls = []
+    free_draft = drafter.free_draft
+    drafter.free_draft = lambda *a, **k: calls.append(a) or free_draft(*a, **k)
+    engine = SpecEngine(target, drafter, FixedDraftLen(0), max_batch=4, max_len=256)
+    prompts = repetitive_prompts(2)
+    seqs = engine.generate(prompts, [SamplingParams(max_tokens=20)] * 2)
+    assert [s.output for s in seqs] == greedy_reference(target, prompts, 20)
+    assert not calls

@@ -183,7 +183,7 @@ class SpecEngine(Engine):
         seeded = [s.params.seed is not None and s.params.temperature > 0 for s in seqs]
         fixed = self.policy.default_draft_len
         if not self.policy.should_draft(len(seqs)) and not (fixed and any(seeded)):
-            block = self._free_draft(seqs)
+            block = self._free_draft(seqs) if self.policy.free_may_pay(len(seqs)) else None
             if block is None:
                 return None, [0] * len(seqs)
             lens = self.policy.free_lengths(block, caps)
