@@ -195,19 +195,25 @@ class LookupDrafter:
         for i, (req_id, anchor) in enumerate(zip(req_ids, anchors)):
             text = self._text(req_id)
             self._settle(req_id, text, anchor)
-            guess, n = text.continuation(anchor, self.gamma)
-            stats, key = self.stats, n
-            if not n and self.datastore is not None:
-                guess, shares, _, _ = self.datastore.continuation(text.tokens[-self.datastore.max_n:] + [anchor],
-                                                                  self.gamma)
-                if guess and shares[0] >= self.min_share:
-                    stats, key = self.datastore_stats, min(int(shares[0] * SHARE_BUCKETS), SHARE_BUCKETS)
-                else:
-                    guess = []
+            guess, key = text.continuation(anchor, self.gamma)
+            stats = self.stats
+            if not key:
+                guess, key = self._datastore_guess(text, anchor)
+                stats = self.datastore_stats
             if guess:
                 guesses[i] = (guess, stats.logits(key, len(guess)))
                 self._guesses[req_id] = (len(text), guess, stats, key)
         return guesses
+
+    def _datastore_guess(self, text: NgramIndex, anchor: int) -> tuple[list[int], int]:
+        """(guess, its stats key: the first token's share in tenths) from the datastore, when that first
+        token followed at least min_share of the occurrences; else no guess."""
+        if self.datastore is None:
+            return [], 0
+        guess, shares, _, _ = self.datastore.continuation(text.tokens[-self.datastore.max_n:] + [anchor], self.gamma)
+        if not guess or shares[0] < self.min_share:
+            return [], 0
+        return guess, min(int(shares[0] * SHARE_BUCKETS), SHARE_BUCKETS)
 
     def _settle(self, req_id: str, text: NgramIndex, anchor: int) -> None:
         """Score this request's last guess against the tokens decided since (the anchor included)."""

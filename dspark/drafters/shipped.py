@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark.drafters.checkpoint import load_calibration, load_drafter
+from dspark.drafters.datastore import Datastore
 from dspark.models.precision import apply_precision
 
 SHIPPED_DRAFTERS = Path(__file__).resolve().parents[2] / "drafters"
@@ -43,11 +44,9 @@ def load_drafter_for(loaded, drafter: str | None, precision: str = "fp32"):
     return module
 
 
-def load_datastore_for(model_name: str, choice: str = "auto"):
+def load_datastore_for(model_name: str, choice: str = "auto") -> Datastore | None:
     """'off' -> None; 'auto' -> the one shipped for this target (drafters/<model>/datastore.npz), None
     when there is none; else a path to a datastore file (built by dspark.train.build_datastore)."""
-    from dspark.drafters.datastore import Datastore
-
     if choice == "off":
         return None
     path = SHIPPED_DRAFTERS / model_name / DATASTORE_FILE if choice == "auto" else Path(choice)

@@ -22,12 +22,12 @@ from tqdm import tqdm
 from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.sched.calibration import fit_sts
 from dspark.train.evaluate import Run, confidence_quality, run_drafter
-from dspark.train.regen_data import is_held_out
+from dspark.train.regen_data import HELD_OUT_SHARE, is_held_out
 
 CORPUS = Path(__file__).resolve().parents[2] / "datasets" / "train" / "prompts.jsonl.gz"
 
 
-def held_out_prompts(corpus: str | Path, count: int, share: float = 0.02) -> list[str]:
+def held_out_prompts(corpus: str | Path, count: int, share: float = HELD_OUT_SHARE) -> list[str]:
     """First turns of `count` held-out corpus records, in an order fixed by a hash of their ids
     (so every category shows up, not just the corpus file's first source). A first turn that a
     training record also opens with (a multi-turn record built on the same question) is left out."""
@@ -49,7 +49,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--corpus", default=str(CORPUS), help="prompt corpus (dspark.train.corpus.build)")
-    ap.add_argument("--held-out-share", type=float, default=0.02, help="as the trainer's --held-out-share")
+    ap.add_argument("--held-out-share", type=float, default=HELD_OUT_SHARE, help="as the trainer's --held-out-share")
     args = ap.parse_args(argv)
 
     loaded = load_model(args.model)

@@ -37,7 +37,7 @@ from dspark.train import losses
 from dspark.train.anchors import sample_anchors, sample_rows, slot_validity, ttt_validity
 from dspark.train.config import TrainConfig, load_train_config
 from dspark.train.dataset import CachedDataset, OnlineDataset, Sequence
-from dspark.train.regen_data import load_split
+from dspark.train.regen_data import HELD_OUT_SHARE, load_split
 
 
 def lr_factor(step: int, t: TrainConfig) -> float:
@@ -399,7 +399,7 @@ def main(argv=None) -> None:
     parser.add_argument("--feature-precision", default="fp32", choices=("fp32", "bf16", "int8", "auto"),
                         help="with --regen: the target's matmuls for the features (bf16: ~2x faster on CPUs with "
                              "bf16 dot products, the precision AMX hosts serve at)")
-    parser.add_argument("--held-out-share", type=float, default=0.02, help="with --regen: records held out")
+    parser.add_argument("--held-out-share", type=float, default=HELD_OUT_SHARE, help="with --regen: records held out")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="with --regen: longer records are cut")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
