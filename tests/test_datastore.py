@@ -20,8 +20,9 @@ from tests.test_lookup import assert_first_tokens_keep_the_targets_law, assert_s
 
 
 def brute_force(answers, text, k, max_n=16):
-    """(longest match n, guess): every place an answer's tokens end like `text`, then at each slot the
-    most frequent next token among the places that agreed so far (the smallest token on a tie)."""
+    """(longest match n, its occurrences, guess): every place an answer's tokens end like `text`, then at
+    each slot the most frequent next token among the places that agreed so far (the smallest token on a
+    tie)."""
     best, places = 0, []
     for a in answers:
         for end in range(len(a)):
@@ -32,6 +33,7 @@ def brute_force(answers, text, k, max_n=16):
                 best, places = m, [(a, end)]
             elif m == best and m:
                 places.append((a, end))
+    occurrences = len(places)
     guess = []
     for j in range(k):
         following = Counter(a[end + 1 + j] for a, end in places if end + 1 + j < len(a))
@@ -40,18 +42,23 @@ def brute_force(answers, text, k, max_n=16):
         token = max(sorted(following.items()), key=lambda item: item[1])[0]
         guess.append(token)
         places = [(a, end) for a, end in places if end + 1 + j < len(a) and a[end + 1 + j] == token]
-    return best, guess
+    return best, occurrences, guess
 
 
-def test_match_and_continuation_equal_a_brute_force_search():
+@pytest.mark.parametrize("first_token", [0, 150_000])  # 4 tokens packed in a prefix key; past 55k, 3
+def test_match_and_continuation_equal_a_brute_force_search(first_token):
     rng = np.random.default_rng(0)
-    answers = [rng.integers(0, 4, rng.integers(1, 40)).tolist() for _ in range(200)]
+    answers = [(first_token + rng.integers(0, 4, rng.integers(1, 40))).tolist() for _ in range(200)]
     datastore = Datastore(answers, min_n=1, max_occurrences=10**9)  # every occurrence counted, as brute force does
     for _ in range(300):
-        text = rng.integers(0, 4, rng.integers(1, 20)).tolist()
-        n, guess = brute_force(answers, text, 5)
-        assert datastore.match(text)[0] == n
+        text = (first_token + rng.integers(0, 4, rng.integers(1, 20))).tolist()
+        n, occurrences, guess = brute_force(answers, text, 5)
+        found, lo, hi = datastore.match(text)
+        assert (found, hi - lo if found else 0) == (n, occurrences)
         assert datastore.continuation(text, 5)[0] == guess
+    for text in ([first_token + 9], [first_token + 1, first_token + 9], []):  # ending in a token never seen; none
+        assert datastore.match(text)[0] == 0
+        assert datastore.continuation(text, 5)[0] == []
 
 
 def test_shares_and_answer_ends():
