@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from dspark.kernels.cpu import kernels
 from dspark.models.batch import VarlenBatch
 from dspark.models.layers import Rotary, apply_rope, rope_tables
-from dspark.models.precision import _pack_for_vnni, has_gguf_matmul
+from dspark.models.precision import Int8Linear, _pack_for_vnni, has_gguf_matmul
 from tests.spec_helpers import tiny_target
 
 ops = kernels()
@@ -242,6 +242,43 @@ def test_int8_linear_is_exact_integer_math_and_each_row_the_same_at_any_row_coun
                     assert torch.equal(ops.int8_linear(x[start:start + rows], packed, scale, b), y[start:start + rows])
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_vnni_int8
+@pytest.mark.parametrize("out_features", [37, 49, 4099])  # a ragged last block; one tile; many tiles
+def test_int8_linear_argmax_is_torch_argmax_of_its_outputs(out_features):
+    """The greedy LM head: the index torch.argmax takes from int8_linear's outputs, for random rows and
+    rows whose largest output repeats (the first wins), on one thread and on two; NaN rows come back as
+    -1 from the kernel, and Int8Linear.argmax resolves them as torch does; all -inf gives index 0."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(out_features, 64, generator=g)
+    for i in (out_features // 3, out_features // 2):  # copies of the last row: their outputs tie with it
+        w[i] = w[-1]
+    scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
+    packed = _pack_for_vnni(w, scale)
+    x = torch.cat([torch.randn(11, 64, generator=g), 5 * w[-1:].expand(3, 64)])  # the last rows: the tie wins
+    bias = torch.randn(out_features, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for b in (None, bias):
+                expected = ops.int8_linear(x, packed, scale, b).argmax(-1)
+                assert torch.equal(ops.int8_linear_argmax(x, packed, scale, b), expected)
+                if b is None:  # equal rows, equal outputs: the first copy is the argmax
+                    assert expected[-1] == out_features // 3
+    finally:
+        torch.set_num_threads(threads)
+    assert ops.int8_linear_argmax(x, packed, scale, torch.full((out_features,), float("-inf"))).tolist() == [0] * 14
+    nan_bias = bias.clone()
+    nan_bias[out_features // 2 + 1] = float("nan")
+    assert ops.int8_linear_argmax(x, packed, scale, nan_bias).tolist() == [-1] * 14
+    linear = torch.nn.Linear(64, out_features)
+    with torch.no_grad():
+        linear.weight.copy_(w), linear.bias.copy_(nan_bias)
+    head = Int8Linear(linear)
+    assert torch.equal(head.argmax(x), head(x).argmax(-1))
+    assert ops.int8_linear_argmax(x[:0], packed, scale, None).shape == (0,)
 
 
 @needs_vnni_int8

@@ -75,8 +75,10 @@ class Engine:
         seqs = list(self.running)
         if not seqs:
             return []
-        batch, out = self.runner.run(seqs, [s.pending() for s in seqs], logits_rows="last")
-        tokens = sample_rows(out.logits, seqs)
+        # All greedy: the argmax alone (unless a trainer captures the logits' normaliser too).
+        greedy = all(s.params.temperature <= 0 for s in seqs) and not self.capture_layers
+        batch, out = self.runner.run(seqs, [s.pending() for s in seqs], logits_rows="last", greedy=greedy)
+        tokens = out.tokens.tolist() if greedy else sample_rows(out.logits, seqs)
         events = []
         for b, (seq, tok) in enumerate(zip(seqs, tokens)):
             if self.capture_layers:

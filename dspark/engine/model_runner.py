@@ -21,10 +21,12 @@ class ModelRunner:
     def device(self) -> torch.device:
         return self.model.device
 
-    def run(self, seqs: list[Sequence], pieces: list[list[int]], logits_rows):
+    def run(self, seqs: list[Sequence], pieces: list[list[int]], logits_rows, greedy: bool = False):
         """The pass over `pieces[i]` appended to seqs[i]'s cached positions; logits_rows: 'last',
-        'all' or the flat row indices to compute logits for. Returns (batch, model output)."""
+        'all' or the flat row indices to compute logits for; greedy: only their argmax (output.tokens).
+        Returns (batch, model output)."""
         batch = VarlenBatch.build(pieces, [s.cached for s in seqs], [s.slot for s in seqs], device=self.device)
         if not isinstance(logits_rows, str):
             logits_rows = host_values(logits_rows, torch.long, self.device)
-        return batch, self.model(batch, self.cache, capture_layers=self.capture_layers, logits_rows=logits_rows)
+        return batch, self.model(batch, self.cache, capture_layers=self.capture_layers, logits_rows=logits_rows,
+                                 greedy=greedy)

@@ -199,6 +199,24 @@ class Int8Linear(nn.Module):
             y = y.mul_(row_max) if self.bias is None else torch.addcmul(self.bias, y, row_max)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """self(x).argmax(-1) for rows x [N, in], the same indices; on the VNNI kernel without writing
+        the outputs (an LM head's argmax at a greedy step: 49,152 floats a row)."""
+        if self.kernel is None:
+            return self(x).argmax(dim=-1)
+        x = x.float()
+        tokens = _int8_argmax_kernel()(x, self.weight_blocks, self.w_scale, self.bias)
+        nan = tokens < 0  # a row with a NaN output: torch's argmax of its outputs decides
+        if bool(nan.any()):
+            tokens[nan] = self(x[nan]).argmax(dim=-1)
+        return tokens
+
+
+def _int8_argmax_kernel():
+    from dspark.kernels.cpu import kernels
+
+    return kernels().int8_linear_argmax
+
 
 def _int8_kernel():
     """int8_matmul.cpp's int8_linear where it runs (AVX-512 VNNI, C++ kernels on), else None: FBGEMM.

@@ -23,8 +23,9 @@ from dspark.models.threads import one_thread
 @dataclass
 class ForwardOutput:
     hidden: torch.Tensor  # [N, d] final-normed hidden state of every new token
-    logits: torch.Tensor | None  # [len(logits_rows), V] float32
+    logits: torch.Tensor | None  # [len(logits_rows), V] float32 (None when only the argmax was asked for)
     features: torch.Tensor | None  # [N, m*d] outputs of the captured layers, concatenated
+    tokens: torch.Tensor | None = None  # [len(logits_rows)] argmax of each of those rows' logits (greedy)
 
 
 KEY_BUCKET = 64  # a cached row attends to its keys padded to a multiple of this (masked)
@@ -315,13 +316,20 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """logits(hidden).argmax(-1), the same indices; the int8 LM head finds them without writing the logits."""
+        if isinstance(self.lm_head, Int8Linear):
+            return self.lm_head.argmax(hidden)
+        return self.logits(hidden).argmax(dim=-1)
+
     @torch.no_grad()
     def forward(self, batch: VarlenBatch, cache: KVCache | None = None,
                 capture_layers: tuple[int, ...] | list[int] = (),
-                logits_rows: torch.Tensor | str | None = "last") -> ForwardOutput:
+                logits_rows: torch.Tensor | str | None = "last", greedy: bool = False) -> ForwardOutput:
         """One pass over a varlen batch.
 
         logits_rows: "last" (each sequence's last new token), "all", None, or flat row indices.
+        greedy: only the argmax of those rows' logits is wanted (ForwardOutput.tokens, no logits).
         capture_layers: decoder layers whose outputs are returned concatenated (drafter features).
         """
         batch = batch.to(self.device)  # callers outside the engines may build on CPU
@@ -358,6 +366,12 @@ class Transformer(nn.Module):
         if isinstance(logits_rows, str):
             logits_rows = batch.last_rows() if logits_rows == "last" else torch.arange(hidden.shape[0],
                                                                                       device=hidden.device)
-        logits = self.logits(hidden[logits_rows.to(hidden.device)]) if logits_rows is not None else None
+        logits = tokens = None
+        if logits_rows is not None:
+            rows = hidden[logits_rows.to(hidden.device)]
+            if greedy:
+                tokens = self.greedy_tokens(rows)
+            else:
+                logits = self.logits(rows)
         features = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
-        return ForwardOutput(hidden=hidden, logits=logits, features=features)
+        return ForwardOutput(hidden=hidden, logits=logits, features=features, tokens=tokens)

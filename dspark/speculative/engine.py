@@ -316,14 +316,15 @@ class SpecEngine(Engine):
 
     def _verify(self, step: VerifyStep, block) -> tuple[list[int], list[list[int]]]:
         """One target pass, then chain rejection sampling: accepted drafts and the next token per request."""
-        step.batch, step.out = self.runner.run(step.seqs, step.pieces, step.logit_rows)
+        greedy = all(s.params.temperature <= 0 for s in step.seqs)  # every row one-hot: the argmax decides
+        step.batch, step.out = self.runner.run(step.seqs, step.pieces, step.logit_rows, greedy=greedy)
         device, lens = self.runner.device, step.lens
+        if greedy:  # the drafts matched against the argmax (none verified: the argmax is the token)
+            drafts = [piece[len(head):] for piece, head in zip(step.pieces, step.heads)]
+            return greedy_verify(step.out.tokens.tolist(), drafts)
         if not sum(lens):  # plain decoding this step: the plain engine's sampler draws the same tokens
             # with the same uniforms (one per request, inverse CDF of p), minus the verification's tensors
             return [0] * len(step.seqs), [[t] for t in sample_rows(step.out.logits, step.seqs)]
-        if all(s.params.temperature <= 0 for s in step.seqs):  # every row one-hot: match drafts to the argmax
-            drafts = [piece[len(head):] for piece, head in zip(step.pieces, step.heads)]
-            return greedy_verify(step.out.logits.argmax(dim=-1).tolist(), drafts)
         probs = row_probs(step.out.logits, step.seqs, [n + 1 for n in lens])
         # Drafts verified means a block: a remote drafter's arrives on the host (the wire), a local one's is here.
         spec_rows = [(i, j) for i, n in enumerate(lens[step.num_admitted:]) for j in range(n)]
