@@ -255,6 +255,33 @@ def test_free_lengths_verify_nothing_before_any_step_time_is_known():
     assert policy.free_lengths(block, [4, 4]) == [4, 4]
 
 
+def test_in_a_drafted_step_lookup_rows_are_verified_by_their_own_trade_off():
+    """The scheduler's budget is the drafter's: in a step that drafts, lookup's rows get the lengths a
+    free step would give them (their own survival against the step's cost), the drafter's rows share
+    the budget, and the budget source observes the drafter's rows alone."""
+    from dspark.drafters.base import DraftBlock
+    from dspark.sched.budget_source import ScheduledBudget
+    from dspark.speculative.policy import ConfidencePolicy
+    from verifier_svc.sps_profile import LiveSps
+
+    sps = LiveSps()
+    sps.observe(3, 0.010)
+    sps.observe(20, 0.0105)  # verifying rows is nearly free
+    source = ScheduledBudget(default_draft_len=3)
+    source.push(1)  # the scheduler's budget for the drafter: one token in all
+    policy = ConfidencePolicy(source, free_sps=sps)
+    observed = []
+    source.observe = observed.append
+    z = torch.full((3, 6), 4.0)  # every guess ~98% sure
+    block = DraftBlock(torch.zeros(3, 6, dtype=torch.long), z, torch.zeros(3, 6, 1, dtype=torch.long),
+                       torch.ones(3, 6, 1), calibrated=torch.tensor([True, False, True]))
+    assert policy.lengths(block, [6, 6, 4]) == [6, 1, 4]
+    assert [o.shape for o in observed] == [(1, 6)]
+    drafter_only = DraftBlock(block.tokens, z, block.support_ids, block.support_probs,
+                              calibrated=torch.zeros(3, dtype=torch.bool))
+    assert sum(policy.lengths(drafter_only, [6, 6, 4])) == 1
+
+
 def test_the_drafters_report_and_checks_leave_out_the_rows_lookup_filled():
     """A drafted step's block mixes lookup's rows with the drafter's. The step report feeds the
     drafter's budget and calibration, so it carries the drafter's rows only: lookup's confidences,
