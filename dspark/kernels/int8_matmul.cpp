@@ -148,43 +148,62 @@ void rows_of_tile(const Int8Rows& x, int64_t rows, int64_t k_len, const uint8_t*
     }
 }
 
-}  // namespace
-
+// What both entry points check and derive from their arguments, and one tile of outputs.
 // x [rows, in] float32; packed [ceil(out / 16)][ceil(in / 4)][16][4] uint8 (w + 128, zero weights in the
 // padding); w_scale [out]; bias [out] or none.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, c10::optional<torch::Tensor> bias) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [rows, in] float32");
-    TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-                packed.size(2) == kOut && packed.size(3) == 4, "packed must be [out / 16, in / 4, 16, 4] uint8");
-    x = x.contiguous();
-    const int64_t rows = x.size(0), k_len = x.size(1), k_pad = packed.size(1) * 4, blocks = packed.size(0);
-    const int64_t n_out = w_scale.numel();
-    TORCH_CHECK(k_pad >= k_len && k_pad < k_len + 4, "packed weights take ", k_pad, " inputs, x has ", k_len);
-    TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.is_contiguous() && n_out <= blocks * kOut &&
-                n_out > (blocks - 1) * kOut, "w_scale must be [out] float32 for the packed blocks");
-    const float* b = nullptr;
-    if (bias.has_value()) {
-        TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n_out,
-                    "bias must be [out] float32");
-        b = bias->data_ptr<float>();
-    }
-    auto y = torch::empty({rows, n_out}, x.options());
-    if (rows == 0) return y;
-    const Int8Rows xq(x.data_ptr<float>(), rows, k_len, k_pad);
-    const uint8_t* w = packed.data_ptr<uint8_t>();
-    const float* ws = w_scale.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
-    const int64_t block_bytes = k_pad * kOut, tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
-    const int last_valid = static_cast<int>(n_out - (blocks - 1) * kOut);
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) {
-            const int64_t b0 = t * kTileBlocks, nb = std::min<int64_t>(kTileBlocks, blocks - b0);
-            const int valid = b0 + nb == blocks ? last_valid : static_cast<int>(kOut);
-            const uint8_t* wt = w + b0 * block_bytes;
-            const float* bt = b == nullptr ? nullptr : b + b0 * kOut;
-            if (nb == kTileBlocks) rows_of_tile<kTileBlocks>(xq, rows, k_pad, wt, block_bytes, ws + b0 * kOut, bt, yp + b0 * kOut, n_out, valid);
-            else rows_of_tile<1>(xq, rows, k_pad, wt, block_bytes, ws + b0 * kOut, bt, yp + b0 * kOut, n_out, valid);
+struct Int8Call {
+    torch::Tensor x;
+    int64_t rows, k_len, k_pad, blocks, n_out, block_bytes, tiles;
+    int last_valid;
+    const uint8_t* w;
+    const float* w_scale;
+    const float* bias = nullptr;
+
+    Int8Call(const torch::Tensor& x_in, const torch::Tensor& packed, const torch::Tensor& scale,
+             const c10::optional<torch::Tensor>& b) {
+        TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "x must be [rows, in] float32");
+        TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                    packed.size(2) == kOut && packed.size(3) == 4, "packed must be [out / 16, in / 4, 16, 4] uint8");
+        x = x_in.contiguous();
+        rows = x.size(0), k_len = x.size(1), k_pad = packed.size(1) * 4, blocks = packed.size(0);
+        n_out = scale.numel();
+        TORCH_CHECK(k_pad >= k_len && k_pad < k_len + 4, "packed weights take ", k_pad, " inputs, x has ", k_len);
+        TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && n_out <= blocks * kOut &&
+                    n_out > (blocks - 1) * kOut, "w_scale must be [out] float32 for the packed blocks");
+        if (b.has_value()) {
+            TORCH_CHECK(b->scalar_type() == torch::kFloat32 && b->is_contiguous() && b->numel() == n_out,
+                        "bias must be [out] float32");
+            bias = b->data_ptr<float>();
         }
+        w = packed.data_ptr<uint8_t>();
+        w_scale = scale.data_ptr<float>();
+        block_bytes = k_pad * kOut, tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
+        last_valid = static_cast<int>(n_out - (blocks - 1) * kOut);
+    }
+
+    // Tile t's outputs (kTileBlocks blocks, fewer at the end) of every row into y, rows `stride` apart,
+    // the tile's first output at y; returns (its first output, how many it has).
+    std::pair<int64_t, int64_t> tile(const Int8Rows& xq, int64_t t, float* y, int64_t stride) const {
+        const int64_t b0 = t * kTileBlocks, nb = std::min<int64_t>(kTileBlocks, blocks - b0);
+        const int valid = b0 + nb == blocks ? last_valid : static_cast<int>(kOut);
+        const uint8_t* wt = w + b0 * block_bytes;
+        const float* bt = bias == nullptr ? nullptr : bias + b0 * kOut;
+        if (nb == kTileBlocks) rows_of_tile<kTileBlocks>(xq, rows, k_pad, wt, block_bytes, w_scale + b0 * kOut, bt, y, stride, valid);
+        else rows_of_tile<1>(xq, rows, k_pad, wt, block_bytes, w_scale + b0 * kOut, bt, y, stride, valid);
+        return {b0 * kOut, (nb - 1) * kOut + valid};
+    }
+};
+
+}  // namespace
+
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, c10::optional<torch::Tensor> bias) {
+    const Int8Call call(x, packed, w_scale, bias);
+    auto y = torch::empty({call.rows, call.n_out}, call.x.options());
+    if (call.rows == 0) return y;
+    const Int8Rows xq(call.x.data_ptr<float>(), call.rows, call.k_len, call.k_pad);
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, call.tiles, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) call.tile(xq, t, yp + t * kTileBlocks * kOut, call.n_out);
     });
     return y;
 }
@@ -198,59 +217,37 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
 // argmax of its logits, which NaN orders first).
 torch::Tensor int8_linear_argmax(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale,
                                  c10::optional<torch::Tensor> bias) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [rows, in] float32");
-    TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-                packed.size(2) == kOut && packed.size(3) == 4, "packed must be [out / 16, in / 4, 16, 4] uint8");
-    x = x.contiguous();
-    const int64_t rows = x.size(0), k_len = x.size(1), k_pad = packed.size(1) * 4, blocks = packed.size(0);
-    const int64_t n_out = w_scale.numel();
-    TORCH_CHECK(k_pad >= k_len && k_pad < k_len + 4, "packed weights take ", k_pad, " inputs, x has ", k_len);
-    TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.is_contiguous() && n_out <= blocks * kOut &&
-                n_out > (blocks - 1) * kOut && n_out > 0, "w_scale must be [out] float32 for the packed blocks");
-    const float* b = nullptr;
-    if (bias.has_value()) {
-        TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n_out,
-                    "bias must be [out] float32");
-        b = bias->data_ptr<float>();
-    }
-    auto out = torch::empty({rows}, x.options().dtype(torch::kLong));
+    const Int8Call call(x, packed, w_scale, bias);
+    TORCH_CHECK(call.n_out > 0, "no outputs to take the argmax of");
+    const int64_t rows = call.rows;
+    auto out = torch::empty({rows}, call.x.options().dtype(torch::kLong));
     if (rows == 0) return out;
-    const Int8Rows xq(x.data_ptr<float>(), rows, k_len, k_pad);
-    const uint8_t* w = packed.data_ptr<uint8_t>();
-    const float* ws = w_scale.data_ptr<float>();
-    const int64_t block_bytes = k_pad * kOut, tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
-    const int last_valid = static_cast<int>(n_out - (blocks - 1) * kOut);
+    const Int8Rows xq(call.x.data_ptr<float>(), rows, call.k_len, call.k_pad);
     constexpr int64_t width = kTileBlocks * kOut;  // outputs a tile
     const int threads = at::get_num_threads();
     // Per thread and row: 16 lanes of (largest value, its first index), and whether a NaN was seen.
     std::vector<float> lane_value(threads * rows * kOut, -INFINITY);
     std::vector<int32_t> lane_index(threads * rows * kOut, INT32_MAX);
     std::vector<uint8_t> nan_seen(threads * rows, 0);
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    at::parallel_for(0, call.tiles, 1, [&](int64_t begin, int64_t end) {
         const int me = at::get_thread_num();
         std::vector<float> y(rows * width);
         for (int64_t t = begin; t < end; ++t) {
-            const int64_t b0 = t * kTileBlocks, nb = std::min<int64_t>(kTileBlocks, blocks - b0);
-            const int valid = b0 + nb == blocks ? last_valid : static_cast<int>(kOut);
-            const uint8_t* wt = w + b0 * block_bytes;
-            const float* bt = b == nullptr ? nullptr : b + b0 * kOut;
-            if (nb == kTileBlocks) rows_of_tile<kTileBlocks>(xq, rows, k_pad, wt, block_bytes, ws + b0 * kOut, bt, y.data(), width, valid);
-            else rows_of_tile<1>(xq, rows, k_pad, wt, block_bytes, ws + b0 * kOut, bt, y.data(), width, valid);
+            const auto [first, outputs] = call.tile(xq, t, y.data(), width);
             for (int64_t r = 0; r < rows; ++r) {
                 float* best_v = lane_value.data() + (me * rows + r) * kOut;
                 int32_t* best_i = lane_index.data() + (me * rows + r) * kOut;
                 __m512 bv = _mm512_loadu_ps(best_v);
                 __m512i bi = _mm512_loadu_si512(best_i);
-                for (int64_t blk = 0; blk < nb; ++blk) {
-                    const __mmask16 keep = blk + 1 < nb ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-                    const __m512 v = _mm512_maskz_loadu_ps(keep, y.data() + r * width + blk * kOut);
+                for (int64_t o = 0; o < outputs; o += kOut) {
+                    const __mmask16 keep = outputs - o >= kOut ? __mmask16(0xFFFF) : __mmask16((1u << (outputs - o)) - 1);
+                    const __m512 v = _mm512_maskz_loadu_ps(keep, y.data() + r * width + o);
                     if (_mm512_mask_cmp_ps_mask(keep, v, v, _CMP_UNORD_Q)) nan_seen[me * rows + r] = 1;
                     // Strictly larger only: a lane's indices ascend, so it keeps its first maximum.
                     const __mmask16 more = _mm512_mask_cmp_ps_mask(keep, v, bv, _CMP_GT_OQ);
-                    const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>((b0 + blk) * kOut)),
-                                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
                     bv = _mm512_mask_mov_ps(bv, more, v);
-                    bi = _mm512_mask_mov_epi32(bi, more, index);
+                    bi = _mm512_mask_mov_epi32(bi, more, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first + o)), lane));
                 }
                 _mm512_storeu_ps(best_v, bv);
                 _mm512_storeu_si512(best_i, bi);
