@@ -199,21 +199,19 @@ class ConfidencePolicy:
         survival = self._survival(block)
         self.budget_in_force = self.source.budget(len(draft_lens))
         caps = np.asarray(draft_lens)
-        lookup = getattr(block, "calibrated", None)
-        lookup = None if lookup is None or self.free_sps is None else lookup.cpu().numpy()
-        if lookup is None or not lookup.any():
-            self.source.observe(survival)
-            lengths = admit_top_k(survival, self.budget_in_force, caps)
-        else:
-            # Lookup's rows by their own trade-off, as in a free step. The budget is the drafter's, from
-            # the drafter's confidences: it capped them at a few tokens where a loop that prompt lookup
-            # follows keeps all seven (services, one request: 1.95 tokens a pass, 2.35 at a fixed 7).
-            lengths = np.zeros(len(caps), dtype=np.int64)
+        # Lookup's rows by their own trade-off, as in a free step; the budget is the drafter's, from the
+        # drafter's confidences, and capped them at a few tokens where a loop that prompt lookup follows
+        # keeps all seven (services, one request: 1.95 tokens a pass, 2.35 at a fixed 7).
+        calibrated = getattr(block, "calibrated", None)
+        lookup = np.zeros(len(caps), dtype=bool) if calibrated is None or self.free_sps is None else \
+            calibrated.cpu().numpy()
+        lengths = np.zeros(len(caps), dtype=np.int64)
+        if lookup.any():
             lengths[lookup] = self._lookup_lengths(survival[lookup], caps[lookup])
-            drafter = ~lookup
-            if drafter.any():
-                self.source.observe(survival[drafter])
-                lengths[drafter] = admit_top_k(survival[drafter], self.budget_in_force, caps[drafter])
+        drafter = ~lookup
+        if drafter.any():
+            self.source.observe(survival[drafter])
+            lengths[drafter] = admit_top_k(survival[drafter], self.budget_in_force, caps[drafter])
         if self.explore > 0:
             # Chosen independently of the drafts, so exploring cannot bias the output.
             full = self.rng.random(len(draft_lens)) < self.explore
