@@ -1,12 +1,13 @@
 """Confidence-scheduled verification through the real services (method.md 5, 6).
 
-Drafter (random DSpark: it has confidences), scheduler (two-step rule + online STS, real Redis)
-and verifier run as processes on a tiny target. The verifier's default is --draft-len=0, so any
-draft token it verifies was admitted under a verify budget that came from the scheduler; --explore=0 so
-nothing else adds drafts; --draft-probe-every=1 so the verifier drafts every step (on a tiny target
-the drafter round trip costs more than it saves, and a budget of 0 would rightly skip it). Outputs must equal
-in-process plain greedy decoding throughout, also
-after the scheduler is killed (last budget, then the --draft-len default).
+Drafter, scheduler (two-step rule + online STS, real Redis) and verifier run as processes on a tiny
+target. The drafter is a DSpark trained for seconds on the tiny target's own continuations: drafting
+it pays, so a budget above 0 is the rule's steady answer while streams run (a random drafter's was
+only the passing overpromise of its uncalibrated confidences, which a loaded host could miss). The
+verifier's default is --draft-len=0, so any draft token it verifies was admitted under a verify
+budget that came from the scheduler; --explore=0 so nothing else adds drafts; --draft-probe-every=1
+so the verifier drafts every step. Outputs must equal in-process plain greedy decoding throughout,
+also after the scheduler is killed (last budget, then the --draft-len default).
 
 The tests share one cluster and run in file order: the last one kills the scheduler.
 """
@@ -15,9 +16,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from service_helpers import (RedisServer, StreamThread, free_port, internal_channel, scrape, start_drafter,
-                             start_scheduler, start_verifier, tiny_target_and_reference, wait_registered, wait_serving,
-                             wait_until)
+from service_helpers import (TINY_DRAFTER_VERSION, RedisServer, StreamThread, free_port, internal_channel, scrape,
+                             start_drafter, start_scheduler, start_verifier, tiny_target_and_reference,
+                             train_tiny_drafter, wait_registered, wait_serving, wait_until)
 
 from dspark.proto_gen.v1 import verifier_pb2, verifier_pb2_grpc
 
@@ -42,9 +43,9 @@ def cluster(target, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     redis_server = RedisServer().start()
     metrics_ports = {"scheduler": free_port(), "verifier": free_port()}
-    drafter, d_addr = start_drafter(path, logs)
-    # Any promised gain drafts (no --min-draft-gain margin): with a random drafter the promise is
-    # small, and what is tested here is that the budget reaches the verifier, not the margin.
+    drafter, d_addr = start_drafter(path, logs, checkpoint=train_tiny_drafter(path, tmp_path_factory.mktemp("drafter")))
+    # Any promised gain drafts (no --min-draft-gain margin): what is tested here is that the budget
+    # reaches the verifier, not the margin.
     scheduler, s_addr = start_scheduler(logs, [], redis_url=redis_server.url, metrics_port=metrics_ports["scheduler"],
                                         calibration_refit_s=1, calibration_min_samples=20, min_draft_gain=1.0)
     services = [drafter, scheduler]
@@ -106,9 +107,9 @@ def test_scheduler_budget_drives_verification_and_output_stays_greedy(target, cl
 
     # The labels went into Redis and the refitted temperatures came back to the verifier.
     client = cluster["redis"].client()
-    assert client.exists("dspark:calibration:random-dspark-0:bins")
+    assert client.exists(f"dspark:calibration:{TINY_DRAFTER_VERSION}:bins")
     wait_until(lambda: get_load(v_addr).calibration_version >= 1, 240, what="temperatures at the verifier")
-    assert int(client.hget("dspark:calibration:random-dspark-0:sts", "version")) >= 1
+    assert int(client.hget(f"dspark:calibration:{TINY_DRAFTER_VERSION}:sts", "version")) >= 1
     verifier_metrics = scrape(cluster["metrics"]["verifier"])
     assert verifier_metrics["dspark_verified_tokens_per_request_count"] > 0
     scheduler_metrics = scrape(cluster["metrics"]["scheduler"])
