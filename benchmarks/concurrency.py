@@ -51,6 +51,7 @@ CONFIGS = {
     "fixed k=7, drafter inside": dict(schedule="off", draft_len=7, drafter="dspark"),
     "scheduler, drafter inside": dict(schedule="on", draft_len=3, drafter="dspark"),
     "scheduler, drafter inside, no datastore": dict(schedule="on", draft_len=3, drafter="dspark", datastore="off"),
+    "scheduler, drafter inside, no lookup": dict(schedule="on", draft_len=3, drafter="dspark", lookup="off"),
     # The scheduler's own flags ("scheduler" key), for A/B runs of its budget rule.
     "scheduler, drafter inside, 16 reports pooled": dict(schedule="on", draft_len=3, drafter="dspark",
                                                          scheduler=dict(pooled_reports=16)),

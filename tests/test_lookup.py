@@ -2,6 +2,7 @@
 output is unchanged (greedy identical, sampled in distribution, seeded requests replay)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -280,6 +281,30 @@ def test_in_a_drafted_step_lookup_rows_are_verified_by_their_own_trade_off():
     drafter_only = DraftBlock(block.tokens, z, block.support_ids, block.support_probs,
                               calibrated=torch.zeros(3, dtype=torch.bool))
     assert sum(policy.lengths(drafter_only, [6, 6, 4])) == 1
+
+
+def test_in_a_drafted_step_lookup_rows_pay_for_the_whole_steps_rows():
+    """Lookup's trade-off in a drafted step is priced at the step's real size: one row for every
+    request and the drafter's admitted tokens, not lookup's rows alone (where steps would look flat)."""
+    from dspark.drafters.base import DraftBlock
+    from dspark.sched.budget_source import ScheduledBudget
+    from dspark.speculative.policy import ConfidencePolicy
+    from verifier_svc.sps_profile import LiveSps
+
+    sps = LiveSps()
+    for tokens, seconds in ((1, 0.010), (4, 0.010), (5, 0.050), (40, 0.400)):
+        sps.observe(tokens, seconds)  # flat up to 4 tokens, then each token costs a whole step more
+    source = ScheduledBudget(default_draft_len=3)
+    source.push(1)
+    policy = ConfidencePolicy(source, free_sps=sps)
+    z = torch.full((3, 6), 4.0)
+    block = DraftBlock(torch.zeros(3, 6, dtype=torch.long), z, torch.zeros(3, 6, 1, dtype=torch.long),
+                       torch.ones(3, 6, 1), calibrated=torch.tensor([True, False, False]))
+    # 3 requests + the drafter's 1 token = 4: a lookup token would make it 5, 5x the step for ~1 token.
+    assert policy.lengths(block, [6, 6, 6]) == [0, 1, 0]
+    # Priced alone, one lookup row with 1 + 3 tokens stays in the flat part: it would verify 3.
+    alone = np.cumprod(np.full((1, 6), 0.982), axis=1)
+    assert policy._lookup_lengths(alone, np.array([6])).tolist() == [3]
 
 
 def test_the_drafters_report_and_checks_leave_out_the_rows_lookup_filled():

@@ -90,7 +90,7 @@ def lookahead_search(a: np.ndarray, sps) -> np.ndarray:
 
 
 def budget_from_survival(a_two_steps_ago: np.ndarray, sps, draft_seconds: float = 0.0,
-                         drafted_scale: float = 1.0, min_gain: float = 1.0) -> int:
+                         drafted_scale: float = 1.0, min_gain: float = 1.0, base_tokens: int = 0) -> int:
     """Two-step rule: a step's verify budget K from the survivals of two steps ago.
 
     Global search over every K = 0..R*gamma on the real (jagged) SPS table, no early stop:
@@ -107,13 +107,16 @@ def budget_from_survival(a_two_steps_ago: np.ndarray, sps, draft_seconds: float 
     promise at least this many times plain decoding's Theta (1 = any gain). The margin covers what
     the per-step model cannot see, that requests of a batch finish at different steps and the
     slowest decides the wall time; one request's steps are its wall time, so it drafts on any gain.
+
+    base_tokens: draft tokens the step verifies anyway, besides these (a drafted step's drafter
+    tokens, when the rows here are lookup's): they cost what they cost whatever K is.
     """
     a = _check_survival(a_two_steps_ago)
     num_requests = a.shape[0]
     best_extra = np.concatenate([[0.0], np.cumsum(np.sort(a.ravel())[::-1])])
-    token_counts = num_requests + np.arange(best_extra.size)
+    token_counts = num_requests + max(int(base_tokens), 0) + np.arange(best_extra.size)
     rates = np.broadcast_to(np.asarray(sps(token_counts), dtype=np.float64), token_counts.shape)
-    drafted = token_counts > num_requests
+    drafted = np.arange(best_extra.size) > 0
     step_seconds = np.where(drafted, (1.0 / rates + max(float(draft_seconds), 0.0)) * drafted_scale, 1.0 / rates)
     theta = (num_requests + best_extra) / step_seconds
     if num_requests > 1:

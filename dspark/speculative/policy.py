@@ -180,12 +180,14 @@ class ConfidencePolicy:
         self._free_best = survival.max(axis=0)
         return [int(x) for x in self._lookup_lengths(survival, np.asarray(draft_lens))]
 
-    def _lookup_lengths(self, survival: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    def _lookup_lengths(self, survival: np.ndarray, caps: np.ndarray, base_tokens: int = 0) -> np.ndarray:
         """Lengths for lookup rows (prompt lookup, the datastore): the budget that pays best for these
-        survivals at this step's cost (free_sps), the best drafts first; none before a step time is
-        measured (a live SPS table fills from steps)."""
+        survivals at this step's cost (free_sps; one row per request of the batch, rows lookup has no
+        guess for at survival 0, and base_tokens verified anyway), the best drafts first; none before
+        a step time is measured (a live SPS table fills from steps)."""
         try:
-            budget = budget_from_survival(survival, self.free_sps, min_gain=self.free_min_gain)
+            budget = budget_from_survival(survival, self.free_sps, min_gain=self.free_min_gain,
+                                          base_tokens=base_tokens)
         except ValueError:
             return np.zeros(len(caps), dtype=np.int64)
         return admit_top_k(survival, budget, caps)
@@ -199,19 +201,21 @@ class ConfidencePolicy:
         survival = self._survival(block)
         self.budget_in_force = self.source.budget(len(draft_lens))
         caps = np.asarray(draft_lens)
-        # Lookup's rows by their own trade-off, as in a free step; the budget is the drafter's, from the
-        # drafter's confidences, and capped them at a few tokens where a loop that prompt lookup follows
-        # keeps all seven (services, one request: 1.95 tokens a pass, 2.35 at a fixed 7).
+        # The budget is the drafter's, from the drafter's confidences: it would cap lookup's guesses at a
+        # few tokens where a loop that prompt lookup follows keeps all seven (services, one request: 1.95
+        # tokens a pass, 2.35 at a fixed 7). Lookup's rows get their own trade-off, as in a free step,
+        # against the cost of the whole step: every request's row and the drafter's admitted tokens.
         calibrated = getattr(block, "calibrated", None)
         lookup = np.zeros(len(caps), dtype=bool) if calibrated is None or self.free_sps is None else \
             calibrated.cpu().numpy()
         lengths = np.zeros(len(caps), dtype=np.int64)
-        if lookup.any():
-            lengths[lookup] = self._lookup_lengths(survival[lookup], caps[lookup])
         drafter = ~lookup
         if drafter.any():
             self.source.observe(survival[drafter])
             lengths[drafter] = admit_top_k(survival[drafter], self.budget_in_force, caps[drafter])
+        if lookup.any():
+            lookup_only = np.where(lookup[:, None], survival, 0.0)
+            lengths[lookup] = self._lookup_lengths(lookup_only, caps, int(lengths[drafter].sum()))[lookup]
         if self.explore > 0:
             # Chosen independently of the drafts, so exploring cannot bias the output.
             full = self.rng.random(len(draft_lens)) < self.explore
