@@ -344,10 +344,11 @@ def test_the_drafters_report_and_checks_leave_out_the_rows_lookup_filled():
     assert [s.output for s in seqs] == greedy_reference(target, prompts, 30)
 
 
-def test_free_lookups_are_skipped_where_even_the_best_guess_cannot_pay():
-    """Lookups cost time even when nothing is verified: at a batch where verifying guesses as good as
-    the best of the last free block would not pay, none are looked up, but for one look every
-    probe_every steps (the bound may have changed); at a batch where it would pay, every step looks."""
+def test_free_lookups_are_skipped_where_guesses_like_the_recent_ones_cannot_pay():
+    """Lookups cost time even when nothing is verified: at a batch where verifying guesses like the
+    recent free blocks' (sampled by rank, the best for one request) would not pay, none are looked up,
+    but for one look every probe_every steps (the rows may have changed); at a batch where it would
+    pay, every step looks. The lookups' own time counts against them."""
     import numpy as np
 
     from dspark.sched.budget_source import ScheduledBudget
@@ -365,6 +366,8 @@ def test_free_lookups_are_skipped_where_even_the_best_guess_cannot_pay():
     assert policy.free_may_pay(1)
     assert [policy.free_may_pay(8) for _ in range(5)] == [False, False, False, False, True]
     assert policy.free_may_pay(1)
+    policy.observe_lookup(2.0, 1)  # a lookup as long as a step: the one guess no longer pays for it
+    assert not policy.free_may_pay(1)
 
 
 def test_a_policy_that_never_verifies_free_blocks_never_looks_them_up():

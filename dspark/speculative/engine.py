@@ -235,7 +235,9 @@ class SpecEngine(Engine):
         as the policy's free_lengths says they pay. Kept out of the step report and the checks: the
         budget and the calibration are the drafter's, and lookup scores its own guesses. None when
         there are none."""
+        started = time.perf_counter()
         block = self.drafter.free_draft([s.req_id for s in seqs], [s.tokens for s in seqs], self.model.device)
+        self.policy.observe_lookup(time.perf_counter() - started, len(seqs))
         self._free = block is not None
         return block
 
