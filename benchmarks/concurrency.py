@@ -3,7 +3,7 @@ verifier, scheduler as separate processes, gRPC) at each concurrency, for plain 
 fixed k = 1, 3, 7 and the scheduler (two-step rule, method.md 5), with the drafter as its own service
 and inside the verifier (--drafter), with and without the verifier's datastore, in one run.
 
-    python benchmarks/concurrency.py [--concurrency 1 2 4 8 16 32] [--max-tokens 32]
+    python benchmarks/concurrency.py [--concurrency 1 2 4 8 16 32] [--max-tokens 128]
                                      [--seconds 6] [--repeats 3] [--drafter DIR]
 
 All configurations run at once, each as its own scheduler + verifier (sharing one drafter
@@ -219,7 +219,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3, help="measured rounds per configuration and concurrency")
     ap.add_argument("--warmup-concurrency", type=int, default=4)
     ap.add_argument("--warmup-requests", type=int, default=6, help="per client, before any measurement")
-    ap.add_argument("--max-tokens", type=int, default=32)
+    # 128, as the single-stream table: 32 tokens after the eval prompts' ~105 (chat template) made the
+    # prompts ~3/4 of the rows a request puts through the target, a benchmark of prefill.
+    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--out", default=str(OUT / "concurrency"))
     ap.add_argument("--eval-dir", type=Path, default=REPO / "datasets" / "eval", help="folder of <dataset>.jsonl prompts")
