@@ -117,6 +117,7 @@ class ConfidencePolicy:
         # the services the scheduler's --min-draft-gain; 1 = any gain).
         self.free_min_gain = 1.0
         self._free_rows: deque = deque(maxlen=FREE_ROWS_KEPT)  # [gamma] survivals of recent free blocks' rows
+        self._free_ranked: np.ndarray | None = None  # those rows, best first (ranked once per free block)
         self._free_unlooked = 0  # steps since free blocks were last looked up
         self.lookup_seconds = 0.0  # a free lookup's seconds per request (EMA)
 
@@ -172,12 +173,11 @@ class ConfidencePolicy:
         rows. Decides nothing about the output: a block not looked up is a block not verified."""
         if self.free_sps is None:
             return False
-        if not self._free_rows or self._free_unlooked >= self.probe_every:
+        if self._free_ranked is None or self._free_unlooked >= self.probe_every:
             self._free_unlooked = 0
             return True
-        pool = np.stack(self._free_rows)
-        pool = pool[np.argsort(-pool.sum(axis=1), kind="stable")]
-        rows = pool[np.linspace(0, len(pool) - 1, num_requests).round().astype(np.int64)]
+        ranked = self._free_ranked
+        rows = ranked[np.linspace(0, len(ranked) - 1, num_requests).round().astype(np.int64)]
         try:
             pays = budget_from_survival(rows, self.free_sps, self.lookup_seconds * num_requests,
                                         min_gain=self.free_min_gain) > 0
@@ -199,6 +199,8 @@ class ConfidencePolicy:
             return [0] * len(draft_lens)
         survival = self._survival(block)
         self._free_rows.extend(survival)
+        pool = np.stack(self._free_rows)
+        self._free_ranked = pool[np.argsort(-pool.sum(axis=1), kind="stable")]
         return [int(x) for x in self._lookup_lengths(survival, np.asarray(draft_lens))]
 
     def _lookup_lengths(self, survival: np.ndarray, caps: np.ndarray, base_tokens: int = 0) -> np.ndarray:
