@@ -27,12 +27,13 @@ from dspark.train.evaluate import DATASETS, EVAL_DIR, load_eval_prompts
 OUT = Path(__file__).resolve().parent / "results"
 
 
-def teacher_forced(model, prompt: list[int], answer: list[int]) -> torch.Tensor:
+def teacher_forced(model, prompt: list[int], answer: list[int], kv_dtype=None) -> torch.Tensor:
     """Logits [len(answer), V] predicting each answer token from everything before it, through a
-    KV cache as serving computes them (its dtype and attention kernel included)."""
+    KV cache as serving computes them (its dtype and attention kernel included; kv_dtype: another
+    cache dtype than serving's)."""
     tokens = prompt + answer
     rows = torch.arange(len(prompt) - 1, len(tokens) - 1)
-    cache = model.new_cache(1, len(tokens))
+    cache = model.new_cache(1, len(tokens), dtype=kv_dtype)
     with torch.no_grad():
         return model(VarlenBatch.build([tokens], [0], [cache.allocate()]), cache, logits_rows=rows).logits
 
@@ -41,7 +42,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts-per-dataset", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--precisions", default="bf16,int8", help="comma-separated; int8-fbgemm = int8 on FBGEMM")
+    ap.add_argument("--precisions", default="bf16,int8,int8-fp32kv",
+                    help="comma-separated; int8-fbgemm = int8 on FBGEMM; a -fp32kv suffix: an fp32 KV cache "
+                         "instead of serving's (bf16 under bf16 and int8)")
     ap.add_argument("--eval-dir", type=Path, default=EVAL_DIR)
     args = ap.parse_args()
     configure_threads()
@@ -57,17 +60,23 @@ def main():
         texts[name] = list(zip(prompts, answers))
         print(f"{name}: {len(prompts)} prompts, {sum(map(len, answers))} answer tokens", flush=True)
 
-    models = {"fp32": reference.model}
+    models, kv_dtypes = {"fp32": reference.model}, {}
+    loaded = {}
     for precision in args.precisions.split(","):
-        # int8-fbgemm: int8 on FBGEMM's kernel (CPUs without AVX-512 VNNI), read when the model is built
-        os.environ["DSPARK_INT8_KERNEL"] = "fbgemm" if precision == "int8-fbgemm" else "vnni"
-        models[precision] = load_model(precision=precision.removesuffix("-fbgemm")).model
+        base = precision.removesuffix("-fp32kv")
+        if precision != base:
+            kv_dtypes[precision] = torch.float32
+        if base not in loaded:
+            # int8-fbgemm: int8 on FBGEMM's kernel (CPUs without AVX-512 VNNI), read when the model is built
+            os.environ["DSPARK_INT8_KERNEL"] = "fbgemm" if base == "int8-fbgemm" else "vnni"
+            loaded[base] = load_model(precision=base.removesuffix("-fbgemm")).model
+        models[precision] = loaded[base]
     table = {}
     for name, pairs in texts.items():
         for precision, model in models.items():
             agree = nll = count = 0
             for prompt, answer in pairs:
-                logits = teacher_forced(model, prompt, answer)
+                logits = teacher_forced(model, prompt, answer, kv_dtypes.get(precision))
                 ref_top = teacher_forced(reference.model, prompt, answer).argmax(-1)
                 target = torch.tensor(answer)
                 agree += int((logits.argmax(-1) == ref_top).sum())
@@ -76,11 +85,12 @@ def main():
             table[(name, precision)] = (agree / count, math.exp(nll / count))
 
     print("\nTeacher-forced on fp32's greedy answers: top-1 agreement with fp32 / perplexity")
-    print(f"{'dataset':<12}" + "".join(f"{p + ' agree':>15}{p + ' ppl':>13}" for p in models))
+    width = max(map(len, models)) + 8
+    print(f"{'dataset':<12}" + "".join(f"{p + ' agree':>{width}}{p + ' ppl':>{width}}" for p in models))
     for name in texts:
-        print(f"{name:<12}" + "".join(f"{table[(name, p)][0]:>15.3f}{table[(name, p)][1]:>13.3f}" for p in models))
+        print(f"{name:<12}" + "".join(f"{table[(name, p)][0]:>{width}.3f}{table[(name, p)][1]:>{width}.3f}" for p in models))
     mean = {p: [sum(table[(n, p)][i] for n in texts) / len(texts) for i in (0, 1)] for p in models}
-    print(f"{'mean':<12}" + "".join(f"{mean[p][0]:>15.3f}{mean[p][1]:>13.3f}" for p in models))
+    print(f"{'mean':<12}" + "".join(f"{mean[p][0]:>{width}.3f}{mean[p][1]:>{width}.3f}" for p in models))
 
     import matplotlib
 

@@ -117,6 +117,16 @@ def test_auto_precision_follows_the_cpu(monkeypatch):
         prec.resolve_precision("gguf", "cuda")
 
 
+@pytest.mark.parametrize("precision, kv_dtype", [("fp32", torch.float32), ("int8", torch.bfloat16),
+                                                  ("int8-fbgemm", torch.bfloat16)], indirect=["precision"])
+def test_the_kv_cache_is_bf16_under_reduced_precision_matmuls_and_fp32_under_fp32(precision, kv_dtype):
+    """Half the bytes a decode step reads per request; fp32 stays the exact reference. The bits tests
+    here (verified, prompt and decoded rows alike) then run through that cache."""
+    model = tiny_target()
+    model.set_precision(precision)
+    assert model.new_cache(1, 8).k[0].dtype == kv_dtype
+
+
 @pytest.mark.skipif(not prec.has_gguf_matmul(), reason="no AVX2/FMA/F16C here: gguf is refused (tested above)")
 def test_gguf_blocks_hold_exactly_the_fp32_weights_the_checkpoint_loads():
     """The gguf precision is the fp32 model, not an approximation of it: every block type the
