@@ -42,9 +42,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts-per-dataset", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--precisions", default="bf16,int8,int8-fp32kv",
-                    help="comma-separated; int8-fbgemm = int8 on FBGEMM; a -fp32kv suffix: an fp32 KV cache "
-                         "instead of serving's (bf16 under bf16 and int8)")
+    ap.add_argument("--precisions", default="bf16,int8,int8-bf16kv",
+                    help="comma-separated; int8-fbgemm = int8 on FBGEMM; a -bf16kv suffix: a bf16 KV cache "
+                         "instead of serving's (fp32 under int8)")
     ap.add_argument("--eval-dir", type=Path, default=EVAL_DIR)
     args = ap.parse_args()
     configure_threads()
@@ -63,9 +63,9 @@ def main():
     models, kv_dtypes = {"fp32": reference.model}, {}
     loaded = {}
     for precision in args.precisions.split(","):
-        base = precision.removesuffix("-fp32kv")
+        base = precision.removesuffix("-bf16kv")
         if precision != base:
-            kv_dtypes[precision] = torch.float32
+            kv_dtypes[precision] = torch.bfloat16
         if base not in loaded:
             # int8-fbgemm: int8 on FBGEMM's kernel (CPUs without AVX-512 VNNI), read when the model is built
             os.environ["DSPARK_INT8_KERNEL"] = "fbgemm" if base == "int8-fbgemm" else "vnni"

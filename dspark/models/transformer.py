@@ -304,12 +304,10 @@ class Transformer(nn.Module):
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """bf16 keys and values under the bf16 and int8 matmuls on CPU: half the bytes a pass reads
-        from the cache, which is what a request's own row costs beyond its share of the matmuls (16%
-        of a 16-request int8 decode step on a 2-core Zen 4; docs/results.md). Under bf16, v is a
-        bf16 matmul output already and k loses only its rotation's rounding; under int8 the weights'
-        rounding dwarfs the cache's (benchmarks/precision_quality.py). fp32 stays exact."""
-        return torch.bfloat16 if self.precision in ("bf16", "int8") and self.cached_kernel else self.dtype
+        """bf16 keys and values under bf16 matmuls on CPU: half the bytes a pass reads from the
+        cache (v is a bf16 matmul output already; k loses only its rotation's rounding). int8 keeps
+        fp32: a bf16 cache there measured no faster through the services (docs/results.md, session 26)."""
+        return torch.bfloat16 if self.precision == "bf16" and self.cached_kernel else self.dtype
 
     def new_cache(self, max_slots: int, max_len: int, dtype=None) -> KVCache:
         cfg = self.config
