@@ -60,24 +60,24 @@ def main():
         texts[name] = list(zip(prompts, answers))
         print(f"{name}: {len(prompts)} prompts, {sum(map(len, answers))} answer tokens", flush=True)
 
-    models, kv_dtypes = {"fp32": reference.model}, {}
-    loaded = {}
+    # name -> (model, KV cache dtype or None for serving's); a -bf16kv contender reuses its base model
+    contenders, loaded = {"fp32": (reference.model, None)}, {}
     for precision in args.precisions.split(","):
         base = precision.removesuffix("-bf16kv")
-        if precision != base:
-            kv_dtypes[precision] = torch.bfloat16
         if base not in loaded:
             # int8-fbgemm: int8 on FBGEMM's kernel (CPUs without AVX-512 VNNI), read when the model is built
             os.environ["DSPARK_INT8_KERNEL"] = "fbgemm" if base == "int8-fbgemm" else "vnni"
             loaded[base] = load_model(precision=base.removesuffix("-fbgemm")).model
-        models[precision] = loaded[base]
+        contenders[precision] = (loaded[base], torch.bfloat16 if precision != base else None)
+    models = list(contenders)
     table = {}
     for name, pairs in texts.items():
-        for precision, model in models.items():
+        # fp32's own next-token choices, once per answer for every contender
+        ref_tops = [teacher_forced(reference.model, prompt, answer).argmax(-1) for prompt, answer in pairs]
+        for precision, (model, kv_dtype) in contenders.items():
             agree = nll = count = 0
-            for prompt, answer in pairs:
-                logits = teacher_forced(model, prompt, answer, kv_dtypes.get(precision))
-                ref_top = teacher_forced(reference.model, prompt, answer).argmax(-1)
+            for (prompt, answer), ref_top in zip(pairs, ref_tops):
+                logits = teacher_forced(model, prompt, answer, kv_dtype)
                 target = torch.tensor(answer)
                 agree += int((logits.argmax(-1) == ref_top).sum())
                 nll += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
