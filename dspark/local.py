@@ -36,10 +36,19 @@ from dspark.models.threads import SMALL_HOST_CORES, available_cores, requested_t
 REPO = Path(__file__).resolve().parent.parent
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and never handed out before by this process: services bind theirs later,
+    so the kernel may offer again a port that a service still starting is about to take."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def serving(address: str) -> bool:

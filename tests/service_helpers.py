@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dspark.local import free_port  # noqa: F401  (the tests' ports: never one handed out twice)
 
 REPO = Path(__file__).resolve().parent.parent
 # Every service the tests start authenticates its internal plane with this token (as the chart
@@ -31,12 +32,6 @@ def internal_channel(address: str) -> grpc.Channel:
     from dspark.serving.token_metadata import with_token
 
     return with_token(grpc.insecure_channel(address), [TOKEN])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 TINY_DRAFTER_VERSION = "tiny-trained"

@@ -352,3 +352,27 @@ def test_a_report_that_lands_during_a_flush_is_in_the_next_refit(redis_server):
     expected = OnlineCalibrationStats(GAMMA)
     expected.add(logits, accepted, verified)
     np.testing.assert_array_equal(fit.samples, expected.num_samples)
+
+
+def test_a_scheduler_started_on_a_taken_port_exits_and_the_first_keeps_serving(schedulers, tmp_path):
+    """gRPC servers default to SO_REUSEPORT, under which a second process binds a taken port and
+    the kernel quietly splits connections between the two. Ours refuse: the newcomer exits saying
+    why, and every call keeps reaching the scheduler that had the port."""
+    address, port = schedulers[0]
+    taken = int(internal_address(address).rsplit(":", 1)[1])
+    newcomer, _ = start_scheduler(tmp_path, [], internal_port=taken, metrics_port=free_port())
+    try:
+        assert newcomer.proc.wait(120) != 0
+        assert f"cannot bind 127.0.0.1:{taken}" in newcomer.log()
+    finally:
+        newcomer.kill()
+    channel = internal_channel(internal_address(address))
+    try:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        register(stub, "after-newcomer")
+        logits, accepted, verified = overconfident_traffic(seed=5, num=ROWS)
+        stub.ReportStep(report("after-newcomer", 0, logits, accepted, verified), timeout=RPC_S)
+        # The first scheduler took the call: its metrics hold the offset it learned.
+        assert gauge(scrape(port), "dspark_live_confidence_offset", verifier_id="after-newcomer") is not None
+    finally:
+        channel.close()

@@ -193,6 +193,12 @@ def message_options(max_message_mb: float) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
 
 
+# gRPC servers set SO_REUSEPORT by default: a second service started on a port already taken
+# binds too and the kernel splits new connections between the two, silently. One port, one
+# service: a taken port fails the start instead.
+EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
+
+
 def _read(path: str) -> bytes | None:
     return Path(path).read_bytes() if path else None
 

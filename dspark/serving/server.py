@@ -61,7 +61,7 @@ class GrpcApp:
             self.internal_server = self._server(self.internal_services, True, self.internal_port)
         address = config.bind_address(self.args.host, self.args.port)
         if self.args.health_port:
-            self.health_server = grpc.aio.server()
+            self.health_server = grpc.aio.server(options=config.EXCLUSIVE_PORT)
             self.health.append(HealthServicer())
             health_pb2_grpc.add_HealthServicer_to_server(self.health[1], self.health_server)
             self.health_server.add_insecure_port(config.bind_address(self.args.host, self.args.health_port))
@@ -87,7 +87,8 @@ class GrpcApp:
         """One port: its services, health, reflection when asked for, behind the guard."""
         settings = config.peer_settings()
         guard = ServerGuard(internal, config.internal_tokens(), settings.tls_server_name if settings.tls_mutual else "")
-        server = grpc.aio.server(options=config.message_options(self.args.max_message_mb), interceptors=[guard])
+        server = grpc.aio.server(options=config.message_options(self.args.max_message_mb) + config.EXCLUSIVE_PORT,
+                                 interceptors=[guard])
         names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
         for add, servicer, full_name in services:
             add(servicer, server)
@@ -97,9 +98,12 @@ class GrpcApp:
             reflection.enable_server_reflection(names, server)
         address = config.bind_address(self.args.host, port)
         creds = config.server_credentials()
-        bound = server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
+        try:
+            bound = server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
+        except RuntimeError:  # grpcio raises where older versions returned 0
+            bound = 0
         if not bound:
-            raise SystemExit(f"{self.name}: cannot bind {address}")
+            raise SystemExit(f"{self.name}: cannot bind {address} (taken by another process?)")
         return server
 
     async def _set_status(self, status) -> None:
