@@ -53,14 +53,17 @@ def test_greedy_through_services_equals_plain_greedy_for_16_concurrent_streams(c
 
 
 def test_seeded_sampling_is_reproducible(cluster):
-    from dspark_client import Client
+    from dspark_client import Client, FinishReason
 
     request = dict(prompt="Once upon a time", temperature=0.8, top_p=0.95, seed=1234, max_tokens=32)
     with Client(cluster, timeout=300) as client:
         first, second = client.generate(**request), client.generate(**request)
         other = client.generate(**dict(request, seed=99))
     assert first.text == second.text and first.token_ids == second.token_ids
-    assert len(first.token_ids) == 32 and first.metrics.draft_tokens > 0
+    # 32 tokens, or fewer where the sample ended the text (the draw depends on the CPU's int8 kernels).
+    assert (len(first.token_ids) == 32 and first.finish_reason == FinishReason.LENGTH) or \
+        (0 < len(first.token_ids) < 32 and first.finish_reason == FinishReason.STOP)
+    assert first.metrics.draft_tokens > 0
     assert other.token_ids != first.token_ids  # the seed does matter
 
 
