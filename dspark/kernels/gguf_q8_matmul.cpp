@@ -12,7 +12,8 @@
 // alone, and output (i, n) is one 8-lane fp32 accumulator run over the blocks in order (plus, for
 // Q4_1, one scalar sum of the min terms over the blocks in order), whatever the row count, the row
 // grouping or the threads (work is split by output column only). A verified row gets the bits
-// decoding it alone would have given.
+// decoding it alone would have given. Q4_1 weights run interleaved eight columns a vector
+// (gguf_linear_q8_interleaved, below: one fp32 lane per output, the blocks in order), ~3x faster.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -142,7 +143,104 @@ void run(const Q8Rows& x, int64_t rows, const uint8_t* wp, int64_t n_out, int64_
     });
 }
 
+// ---- Q4_1 with eight output columns interleaved (gguf_q4_1_interleave) ----------------------
+// Per group of 8 columns and block of 32 inputs, 160 bytes (as 8 GGUF blocks): the 8 columns' d
+// (fp16), their m (fp16), then 4 vectors of 32 bytes; vector v holds inputs 8v..8v+7 of the block:
+// byte 4c + t has column c's weight 8v + t in its low nibble and 8v + 4 + t in its high one. One
+// maddubs of a vector's nibbles by 4 inputs of x broadcast to every lane gives each column two
+// pair sums: the columns ride in the lanes, so no block is ever summed across lanes, and a block's
+// eight maddubs add up in 16 bits (each lane at most 8 * 2 * 15 * 127 = 30,480 < 32,767) before
+// one madd widens them. Per block and row that is 9 integer multiplies and one scaling for 8
+// columns, where column() does 16 and 8.
+constexpr int64_t kCols = 8, kPackedBlock = 160;
+
+// Rows [row0, row0 + R) times column group g; y rows of n_out floats.
+template <int R>
+inline void column_group(const Q8Rows& x, int64_t row0, const uint8_t* wg, int64_t blocks, float* y, int64_t n_out) {
+    const int64_t k_len = blocks * kBlock;
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[R], mins[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = _mm256_setzero_ps();
+    const int8_t* xq = x.q.data() + row0 * k_len;
+    const float* xd = x.scale.data() + row0 * blocks;
+    const float* xs = x.sum_scaled.data() + row0 * blocks;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* blk = wg + b * kPackedBlock;
+        __m256i sums[R];
+        for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) {
+            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 32 * v));
+            const __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+            for (int r = 0; r < R; ++r) {
+                const int8_t* q = xq + r * k_len + b * kBlock + 8 * v;
+                int32_t q_lo, q_hi;
+                std::memcpy(&q_lo, q, 4);
+                std::memcpy(&q_hi, q + 4, 4);
+                sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(q_lo)));
+                sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(q_hi)));
+            }
+        }
+        const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+        const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+        for (int r = 0; r < R; ++r) {
+            const __m256i totals = _mm256_madd_epi16(sums[r], ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals), _mm256_mul_ps(wd, _mm256_set1_ps(xd[r * blocks + b])), acc[r]);
+            mins[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xs[r * blocks + b]), mins[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (row0 + r) * n_out, _mm256_add_ps(acc[r], mins[r]));
+}
+
 }  // namespace
+
+torch::Tensor gguf_q4_1_interleave(torch::Tensor blocks) {
+    TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
+                blocks.size(0) % kCols == 0 && blocks.size(1) % 20 == 0,
+                "blocks must be [out, row bytes] uint8 Q4_1, contiguous, out a multiple of 8");
+    const int64_t n_out = blocks.size(0), nb = blocks.size(1) / 20;
+    auto packed = torch::empty({n_out / kCols, nb * kPackedBlock}, blocks.options());
+    const uint8_t* src = blocks.data_ptr<uint8_t>();
+    uint8_t* dst = packed.data_ptr<uint8_t>();
+    for (int64_t g = 0; g < n_out / kCols; ++g)
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t* out = dst + g * nb * kPackedBlock + b * kPackedBlock;
+            for (int64_t c = 0; c < kCols; ++c) {
+                const uint8_t* blk = src + (g * kCols + c) * nb * 20 + b * 20;
+                std::memcpy(out + 2 * c, blk, 2);
+                std::memcpy(out + 16 + 2 * c, blk + 2, 2);
+                auto weight = [&](int k) { return k < 16 ? blk[4 + k] & 0x0F : blk[4 + k - 16] >> 4; };
+                for (int v = 0; v < 4; ++v)
+                    for (int t = 0; t < 4; ++t)
+                        out[32 + 32 * v + 4 * c + t] = static_cast<uint8_t>(weight(8 * v + t) | (weight(8 * v + 4 + t) << 4));
+            }
+        }
+    return packed;
+}
+
+torch::Tensor gguf_linear_q8_interleaved(torch::Tensor x, torch::Tensor packed) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [rows, in] float32");
+    TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
+                "packed must be gguf_q4_1_interleave's output");
+    x = x.contiguous();
+    const int64_t rows = x.size(0), k_len = x.size(1), blocks = k_len / kBlock, n_out = packed.size(0) * kCols;
+    TORCH_CHECK(k_len % kBlock == 0 && packed.size(1) == blocks * kPackedBlock, "packed blocks do not hold ", k_len,
+                " inputs per row");
+    auto y = torch::empty({rows, n_out}, x.options());
+    const Q8Rows xq(x.data_ptr<float>(), rows, k_len);
+    const uint8_t* wp = packed.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, n_out / kCols, 2, [&](int64_t begin, int64_t end) {
+        for (int64_t g = begin; g < end; ++g) {
+            const uint8_t* wg = wp + g * blocks * kPackedBlock;
+            int64_t i = 0;
+            for (; i + 4 <= rows; i += 4) column_group<4>(xq, i, wg, blocks, yp + g * kCols, n_out);
+            if (i + 2 <= rows) column_group<2>(xq, i, wg, blocks, yp + g * kCols, n_out), i += 2;
+            if (i < rows) column_group<1>(xq, i, wg, blocks, yp + g * kCols, n_out);
+        }
+    });
+    return y;
+}
 
 torch::Tensor gguf_linear_q8(torch::Tensor x, torch::Tensor blocks, int64_t qtype) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [rows, in] float32");
@@ -162,6 +260,14 @@ torch::Tensor gguf_linear_q8(torch::Tensor x, torch::Tensor blocks, int64_t qtyp
 
 #else  // no AVX2: precision.py does not offer gguf-q8 here
 
+torch::Tensor gguf_q4_1_interleave(torch::Tensor) {
+    TORCH_CHECK(false, "the gguf-q8 matmul needs AVX2, FMA and F16C");
+}
+
+torch::Tensor gguf_linear_q8_interleaved(torch::Tensor, torch::Tensor) {
+    TORCH_CHECK(false, "the gguf-q8 matmul needs AVX2, FMA and F16C");
+}
+
 torch::Tensor gguf_linear_q8(torch::Tensor, torch::Tensor, int64_t) {
     TORCH_CHECK(false, "the gguf-q8 matmul needs AVX2, FMA and F16C");
 }
@@ -171,4 +277,7 @@ torch::Tensor gguf_linear_q8(torch::Tensor, torch::Tensor, int64_t) {
 void register_gguf_q8_matmul(pybind11::module& m) {
     m.def("gguf_linear_q8", &gguf_linear_q8,
           kReleaseGil, "x W^T with W in GGUF Q4_1 / Q8_0 blocks and x as 8-bit blocks of 32, batch-invariant");
+    m.def("gguf_q4_1_interleave", &gguf_q4_1_interleave, "Q4_1 blocks [out, row bytes] -> eight columns interleaved");
+    m.def("gguf_linear_q8_interleaved", &gguf_linear_q8_interleaved, kReleaseGil,
+          "gguf_linear_q8 on Q4_1 blocks interleaved by gguf_q4_1_interleave (out a multiple of 8)");
 }
