@@ -174,22 +174,23 @@ def test_gguf_linear_q8_is_llama_cpp_math_and_each_row_the_same_at_any_row_count
 
 
 @pytest.mark.skipif(not has_gguf_matmul(), reason="no AVX2/FMA/F16C here: gguf-q8 is refused (test_precision)")
+@pytest.mark.parametrize("qtype", [3, 8])
 @pytest.mark.parametrize("out,k", [(40, 96), (16, 576)])
-def test_interleaved_q4_1_is_the_same_math_and_each_row_the_same_at_any_row_count(out, k):
-    """Q4_1 with eight columns interleaved (what gguf-q8 runs on Q4_1 weights): the same integer
-    block sums and scaling as gguf_linear_q8, in another fp32 order; row i's bits alone equal its
-    bits in any batch (row counts 1..9: groupings of 4, 2 and 1)."""
-    blocks = random_gguf_blocks(out, k, 3)
-    packed = ops.gguf_q4_1_interleave(blocks)
+def test_interleaved_blocks_are_the_same_math_and_each_row_the_same_at_any_row_count(out, k, qtype):
+    """Blocks with eight columns interleaved (what gguf-q8 runs): the same integer block sums and
+    scaling as gguf_linear_q8, in another fp32 order; row i's bits alone equal its bits in any batch
+    (row counts 1..9: groupings of 4, 2 and 1)."""
+    blocks = random_gguf_blocks(out, k, qtype)
+    packed = ops.gguf_interleave(blocks, qtype)
     assert packed.numel() == blocks.numel()  # the same bytes, reordered
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(2))
     x[4] = 0.0
-    y = ops.gguf_linear_q8_interleaved(x, packed)
-    torch.testing.assert_close(y.double(), q8_reference(x, blocks, 3), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(y, ops.gguf_linear_q8(x, blocks, 3), rtol=1e-5, atol=1e-5)
+    y = ops.gguf_linear_q8_interleaved(x, packed, qtype)
+    torch.testing.assert_close(y.double(), q8_reference(x, blocks, qtype), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, ops.gguf_linear_q8(x, blocks, qtype), rtol=1e-5, atol=1e-5)
     for rows in range(1, 10):
         for start in range(0, 10 - rows):
-            assert torch.equal(ops.gguf_linear_q8_interleaved(x[start:start + rows], packed), y[start:start + rows])
+            assert torch.equal(ops.gguf_linear_q8_interleaved(x[start:start + rows], packed, qtype), y[start:start + rows])
 
 
 needs_vnni_int8 = pytest.mark.skipif(ops is None or not ops.has_int8_linear(),

@@ -143,7 +143,7 @@ void run(const Q8Rows& x, int64_t rows, const uint8_t* wp, int64_t n_out, int64_
     });
 }
 
-// ---- Q4_1 with eight output columns interleaved (gguf_q4_1_interleave) ----------------------
+// ---- Q4_1 with eight output columns interleaved (gguf_interleave) ----------------------
 // Per group of 8 columns and block of 32 inputs, 160 bytes (as 8 GGUF blocks): the 8 columns' d
 // (fp16), their m (fp16), then 4 vectors of 32 bytes; vector v holds inputs 8v..8v+7 of the block:
 // byte 4c + t has column c's weight 8v + t in its low nibble and 8v + 4 + t in its high one. One
@@ -192,22 +192,65 @@ inline void column_group(const Q8Rows& x, int64_t row0, const uint8_t* wg, int64
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (row0 + r) * n_out, _mm256_add_ps(acc[r], mins[r]));
 }
 
+// Q8_0 the same way (gguf_q8_0_interleave): per group of 8 columns and block, 272 bytes: the 8
+// columns' d (fp16), then 8 vectors of 32 bytes, vector g holding inputs 4g..4g+3 (byte 4c + t:
+// column c's weight 4g + t). As in column(), |w| is maddubs' unsigned operand and w's signs move
+// onto x; pair sums reach 2 * 128 * 127, so each of a block's 8 products is widened (madd) before
+// they add up.
+constexpr int64_t kPackedQ8Block = 272;
+
+template <int R>
+inline void column_group_q8(const Q8Rows& x, int64_t row0, const uint8_t* wg, int64_t blocks, float* y, int64_t n_out) {
+    const int64_t k_len = blocks * kBlock;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const int8_t* xq = x.q.data() + row0 * k_len;
+    const float* xd = x.scale.data() + row0 * blocks;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* blk = wg + b * kPackedQ8Block;
+        __m256i sums[R];
+        for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; ++g) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * g));
+            const __m256i magnitude = _mm256_abs_epi8(w);
+            for (int r = 0; r < R; ++r) {
+                int32_t q4;
+                std::memcpy(&q4, xq + r * k_len + b * kBlock + 4 * g, 4);
+                const __m256i q = _mm256_sign_epi8(_mm256_set1_epi32(q4), w);
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, q), ones));
+            }
+        }
+        const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+        for (int r = 0; r < R; ++r)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(wd, _mm256_set1_ps(xd[r * blocks + b])), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (row0 + r) * n_out, acc[r]);
+}
+
 }  // namespace
 
-torch::Tensor gguf_q4_1_interleave(torch::Tensor blocks) {
+torch::Tensor gguf_interleave(torch::Tensor blocks, int64_t qtype) {
+    TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "unsupported GGUF block type ", qtype);
+    const int64_t bytes = qtype == kQ4_1 ? 20 : 34, packed_bytes = qtype == kQ4_1 ? kPackedBlock : kPackedQ8Block;
     TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
-                blocks.size(0) % kCols == 0 && blocks.size(1) % 20 == 0,
-                "blocks must be [out, row bytes] uint8 Q4_1, contiguous, out a multiple of 8");
-    const int64_t n_out = blocks.size(0), nb = blocks.size(1) / 20;
-    auto packed = torch::empty({n_out / kCols, nb * kPackedBlock}, blocks.options());
+                blocks.size(0) % kCols == 0 && blocks.size(1) % bytes == 0,
+                "blocks must be [out, row bytes] uint8, contiguous, out a multiple of 8");
+    const int64_t n_out = blocks.size(0), nb = blocks.size(1) / bytes;
+    auto packed = torch::empty({n_out / kCols, nb * packed_bytes}, blocks.options());
     const uint8_t* src = blocks.data_ptr<uint8_t>();
     uint8_t* dst = packed.data_ptr<uint8_t>();
     for (int64_t g = 0; g < n_out / kCols; ++g)
         for (int64_t b = 0; b < nb; ++b) {
-            uint8_t* out = dst + g * nb * kPackedBlock + b * kPackedBlock;
+            uint8_t* out = dst + (g * nb + b) * packed_bytes;
             for (int64_t c = 0; c < kCols; ++c) {
-                const uint8_t* blk = src + (g * kCols + c) * nb * 20 + b * 20;
+                const uint8_t* blk = src + (g * kCols + c) * nb * bytes + b * bytes;
                 std::memcpy(out + 2 * c, blk, 2);
+                if (qtype == kQ8_0) {
+                    for (int k = 0; k < 32; ++k) out[16 + 32 * (k / 4) + 4 * c + k % 4] = blk[2 + k];
+                    continue;
+                }
                 std::memcpy(out + 16 + 2 * c, blk + 2, 2);
                 auto weight = [&](int k) { return k < 16 ? blk[4 + k] & 0x0F : blk[4 + k - 16] >> 4; };
                 for (int v = 0; v < 4; ++v)
@@ -218,13 +261,15 @@ torch::Tensor gguf_q4_1_interleave(torch::Tensor blocks) {
     return packed;
 }
 
-torch::Tensor gguf_linear_q8_interleaved(torch::Tensor x, torch::Tensor packed) {
+torch::Tensor gguf_linear_q8_interleaved(torch::Tensor x, torch::Tensor packed, int64_t qtype) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [rows, in] float32");
+    TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "unsupported GGUF block type ", qtype);
     TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
-                "packed must be gguf_q4_1_interleave's output");
+                "packed must be gguf_interleave's output");
     x = x.contiguous();
+    const int64_t packed_bytes = qtype == kQ4_1 ? kPackedBlock : kPackedQ8Block;
     const int64_t rows = x.size(0), k_len = x.size(1), blocks = k_len / kBlock, n_out = packed.size(0) * kCols;
-    TORCH_CHECK(k_len % kBlock == 0 && packed.size(1) == blocks * kPackedBlock, "packed blocks do not hold ", k_len,
+    TORCH_CHECK(k_len % kBlock == 0 && packed.size(1) == blocks * packed_bytes, "packed blocks do not hold ", k_len,
                 " inputs per row");
     auto y = torch::empty({rows, n_out}, x.options());
     const Q8Rows xq(x.data_ptr<float>(), rows, k_len);
@@ -232,11 +277,18 @@ torch::Tensor gguf_linear_q8_interleaved(torch::Tensor x, torch::Tensor packed) 
     float* yp = y.data_ptr<float>();
     at::parallel_for(0, n_out / kCols, 2, [&](int64_t begin, int64_t end) {
         for (int64_t g = begin; g < end; ++g) {
-            const uint8_t* wg = wp + g * blocks * kPackedBlock;
+            const uint8_t* wg = wp + g * blocks * packed_bytes;
+            float* yg = yp + g * kCols;
             int64_t i = 0;
-            for (; i + 4 <= rows; i += 4) column_group<4>(xq, i, wg, blocks, yp + g * kCols, n_out);
-            if (i + 2 <= rows) column_group<2>(xq, i, wg, blocks, yp + g * kCols, n_out), i += 2;
-            if (i < rows) column_group<1>(xq, i, wg, blocks, yp + g * kCols, n_out);
+            if (qtype == kQ4_1) {
+                for (; i + 4 <= rows; i += 4) column_group<4>(xq, i, wg, blocks, yg, n_out);
+                if (i + 2 <= rows) column_group<2>(xq, i, wg, blocks, yg, n_out), i += 2;
+                if (i < rows) column_group<1>(xq, i, wg, blocks, yg, n_out);
+            } else {
+                for (; i + 4 <= rows; i += 4) column_group_q8<4>(xq, i, wg, blocks, yg, n_out);
+                if (i + 2 <= rows) column_group_q8<2>(xq, i, wg, blocks, yg, n_out), i += 2;
+                if (i < rows) column_group_q8<1>(xq, i, wg, blocks, yg, n_out);
+            }
         }
     });
     return y;
@@ -260,11 +312,11 @@ torch::Tensor gguf_linear_q8(torch::Tensor x, torch::Tensor blocks, int64_t qtyp
 
 #else  // no AVX2: precision.py does not offer gguf-q8 here
 
-torch::Tensor gguf_q4_1_interleave(torch::Tensor) {
+torch::Tensor gguf_interleave(torch::Tensor, int64_t) {
     TORCH_CHECK(false, "the gguf-q8 matmul needs AVX2, FMA and F16C");
 }
 
-torch::Tensor gguf_linear_q8_interleaved(torch::Tensor, torch::Tensor) {
+torch::Tensor gguf_linear_q8_interleaved(torch::Tensor, torch::Tensor, int64_t) {
     TORCH_CHECK(false, "the gguf-q8 matmul needs AVX2, FMA and F16C");
 }
 
@@ -277,7 +329,7 @@ torch::Tensor gguf_linear_q8(torch::Tensor, torch::Tensor, int64_t) {
 void register_gguf_q8_matmul(pybind11::module& m) {
     m.def("gguf_linear_q8", &gguf_linear_q8,
           kReleaseGil, "x W^T with W in GGUF Q4_1 / Q8_0 blocks and x as 8-bit blocks of 32, batch-invariant");
-    m.def("gguf_q4_1_interleave", &gguf_q4_1_interleave, "Q4_1 blocks [out, row bytes] -> eight columns interleaved");
+    m.def("gguf_interleave", &gguf_interleave, "GGUF Q4_1 / Q8_0 blocks [out, row bytes] -> eight columns interleaved");
     m.def("gguf_linear_q8_interleaved", &gguf_linear_q8_interleaved, kReleaseGil,
-          "gguf_linear_q8 on Q4_1 blocks interleaved by gguf_q4_1_interleave (out a multiple of 8)");
+          "gguf_linear_q8 on blocks interleaved by gguf_interleave (out a multiple of 8)");
 }

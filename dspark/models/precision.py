@@ -141,19 +141,19 @@ class GgufLinear(nn.Module):
         super().__init__()
         from dspark.kernels.cpu import kernels
 
-        self.blocks: GgufBlocks | None = linear.gguf_blocks
+        self.blocks: GgufBlocks = linear.gguf_blocks
         self.kernel = kernels().gguf_linear_q8 if q8_activations else kernels().gguf_linear
-        self.interleaved = None  # Q4_1 under gguf-q8: eight columns a vector (gguf_q8_matmul.cpp), ~3x faster
-        if q8_activations and self.blocks.qtype == 3 and linear.out_features % 8 == 0:
-            self.interleaved = kernels().gguf_q4_1_interleave(self.blocks.data)  # the same bytes reordered
-            self.kernel, self.blocks = kernels().gguf_linear_q8_interleaved, None  # one copy of the weights
+        self.interleaved = None  # under gguf-q8: eight columns a vector (gguf_q8_matmul.cpp), 2-3x faster
+        if q8_activations and linear.out_features % 8 == 0:
+            self.interleaved = kernels().gguf_interleave(self.blocks.data, self.blocks.qtype)  # the bytes reordered
+            self.blocks = GgufBlocks(self.blocks.qtype, self.interleaved)  # one copy of the weights
+            self.kernel = kernels().gguf_linear_q8_interleaved
         self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        y = self.kernel(x2, self.interleaved) if self.interleaved is not None else \
-            self.kernel(x2, self.blocks.data, self.blocks.qtype)
+        y = self.kernel(x2, self.blocks.data, self.blocks.qtype)
         if self.bias is not None:
             y += self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
