@@ -7,7 +7,8 @@
 // (row, query head) is computed from start to end in a fixed order of operations on one thread: its
 // bits depend on nothing but its own query, position and cache, so a verified row is exactly the row
 // decoding would have computed, at any batch and thread count. A task takes one KV head and a few
-// rows of one slot (a verified block), which share each key and value they read.
+// rows of one slot (a verified block), which share each key and value they read: with AVX-512, or
+// AVX2 and an fp32 cache at head size 64; elsewhere one head at a time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -222,6 +224,77 @@ void attend_heads(const float* queries, const int64_t* keys, int M, const T* k, 
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The same on AVX2, fp32 cache, head size 64 (8 vectors of 8). A key's score: its 8 lane-wise
+// products summed in order, then its 8 lanes by a fixed tree; eight keys' trees share hadds, the
+// key j in lane j. A row's bits do not depend on which rows share the call.
+inline __m256 key_lanes(const __m256* q, const float* kt) {
+    __m256 acc = _mm256_mul_ps(q[0], _mm256_loadu_ps(kt));
+    for (int i = 1; i < 8; ++i) acc = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(kt + 8 * i), acc);
+    return acc;
+}
+
+// Scores of keys t0 .. t0 + n - 1 (n <= 8) into scores[t0 ..].
+inline void scores8(const __m256* q, const float* k, int64_t t0, int64_t n, float* scores) {
+    __m256 a[8];
+    for (int j = 0; j < 8; ++j) a[j] = j < n ? key_lanes(q, k + (t0 + j) * 64) : _mm256_setzero_ps();
+    const __m256 h03 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 h47 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h03, h47, 0x20), _mm256_permute2f128_ps(h03, h47, 0x31));
+    alignas(32) float out[8];
+    _mm256_store_ps(out, sums);
+    for (int j = 0; j < n; ++j) scores[t0 + j] = out[j];
+}
+
+// H heads' weights times the values over 32 of the 64 dims (`half`), each head over its own keys
+// in order, scaled by 1 / sum: H x 4 sums and a value's 4 vectors stay in registers.
+template <int H>
+inline void weighted_values_avx2(const float* weights, int64_t stride, const int64_t* keys, const float* inv,
+                                 const float* v, float* const* out, int half) {
+    int64_t most = 0;
+    for (int g = 0; g < H; ++g) most = std::max(most, keys[g]);
+    __m256 acc[H][4];
+    for (int g = 0; g < H; ++g)
+        for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < most; ++t) {
+        const float* vt = v + t * 64 + 32 * half;
+        const __m256 v0 = _mm256_loadu_ps(vt), v1 = _mm256_loadu_ps(vt + 8), v2 = _mm256_loadu_ps(vt + 16),
+                     v3 = _mm256_loadu_ps(vt + 24);
+        for (int g = 0; g < H; ++g) {
+            if (t >= keys[g]) continue;
+            const __m256 w = _mm256_set1_ps(weights[g * stride + t]);
+            acc[g][0] = _mm256_fmadd_ps(w, v0, acc[g][0]);
+            acc[g][1] = _mm256_fmadd_ps(w, v1, acc[g][1]);
+            acc[g][2] = _mm256_fmadd_ps(w, v2, acc[g][2]);
+            acc[g][3] = _mm256_fmadd_ps(w, v3, acc[g][3]);
+        }
+    }
+    for (int g = 0; g < H; ++g) {
+        const __m256 scale = _mm256_set1_ps(inv[g]);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out[g] + 32 * half + 8 * i, _mm256_mul_ps(acc[g][i], scale));
+    }
+}
+
+void attend_heads_avx2(const float* queries, const int64_t* keys, int M, const float* k, const float* v, float* scores,
+                       int64_t stride, float* const* out) {
+    for (int64_t t = 0; t < stride; t += 8)  // 8 keys (2 KB) at a time for every head: read from L1
+        for (int m = 0; m < M; ++m) {
+            if (t >= keys[m]) continue;
+            __m256 q[8];
+            for (int i = 0; i < 8; ++i) q[i] = _mm256_loadu_ps(queries + m * 64 + 8 * i);
+            scores8(q, k, t, std::min<int64_t>(8, keys[m] - t), scores + m * stride);
+        }
+    float inv[kMaxHeadsTogether];
+    for (int m = 0; m < M; ++m) inv[m] = softmax_weights(scores + m * stride, keys[m]);
+    for (int half = 0; half < 2; ++half) {
+        int c = 0;
+        for (; c + 3 <= M; c += 3) weighted_values_avx2<3>(scores + c * stride, stride, keys + c, inv + c, v, out + c, half);
+        if (M - c == 2) weighted_values_avx2<2>(scores + c * stride, stride, keys + c, inv + c, v, out + c, half);
+        if (M - c == 1) weighted_values_avx2<1>(scores + c * stride, stride, keys + c, inv + c, v, out + c, half);
+    }
+}
+#endif
+
 // Any head size and grouping: one query head at a time.
 template <typename T>
 void one_head(const float* query, const T* k, const T* v, int64_t keys, int64_t hd, float* scores, float* acc,
@@ -282,6 +355,14 @@ void attend_rows(const Query& q, const T* kc, const T* vc, const int64_t* slots,
                 attend_heads(queries.data(), keys.data(), static_cast<int>(M), kc + base, vc + base, scores.data(),
                              stride, dst.data());
                 continue;
+            }
+#elif defined(__AVX2__) && defined(__FMA__)
+            if constexpr (std::is_same_v<T, float>) {
+                if (hd == 64 && M <= kMaxHeadsTogether) {
+                    attend_heads_avx2(queries.data(), keys.data(), static_cast<int>(M), kc + base, vc + base,
+                                      scores.data(), stride, dst.data());
+                    continue;
+                }
             }
 #endif
             for (int64_t m = 0; m < M; ++m)
