@@ -152,11 +152,11 @@ void run(const Q8Rows& x, int64_t rows, const uint8_t* wp, int64_t n_out, int64_
 // eight maddubs add up in 16 bits (each lane at most 8 * 2 * 15 * 127 = 30,480 < 32,767) before
 // one madd widens them. Per block and row that is 9 integer multiplies and one scaling for 8
 // columns, where column() does 16 and 8.
-constexpr int64_t kCols = 8, kPackedBlock = 160;
+constexpr int64_t kCols = 8, kPackedQ4Block = 160;
 
 // Rows [row0, row0 + R) times column group g; y rows of n_out floats.
 template <int R>
-inline void column_group(const Q8Rows& x, int64_t row0, const uint8_t* wg, int64_t blocks, float* y, int64_t n_out) {
+inline void column_group_q4(const Q8Rows& x, int64_t row0, const uint8_t* wg, int64_t blocks, float* y, int64_t n_out) {
     const int64_t k_len = blocks * kBlock;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
     __m256 acc[R], mins[R];
@@ -165,7 +165,7 @@ inline void column_group(const Q8Rows& x, int64_t row0, const uint8_t* wg, int64
     const float* xd = x.scale.data() + row0 * blocks;
     const float* xs = x.sum_scaled.data() + row0 * blocks;
     for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* blk = wg + b * kPackedBlock;
+        const uint8_t* blk = wg + b * kPackedQ4Block;
         __m256i sums[R];
         for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -233,7 +233,7 @@ inline void column_group_q8(const Q8Rows& x, int64_t row0, const uint8_t* wg, in
 
 torch::Tensor gguf_interleave(torch::Tensor blocks, int64_t qtype) {
     TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "unsupported GGUF block type ", qtype);
-    const int64_t bytes = qtype == kQ4_1 ? 20 : 34, packed_bytes = qtype == kQ4_1 ? kPackedBlock : kPackedQ8Block;
+    const int64_t bytes = qtype == kQ4_1 ? 20 : 34, packed_bytes = qtype == kQ4_1 ? kPackedQ4Block : kPackedQ8Block;
     TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
                 blocks.size(0) % kCols == 0 && blocks.size(1) % bytes == 0,
                 "blocks must be [out, row bytes] uint8, contiguous, out a multiple of 8");
@@ -267,7 +267,7 @@ torch::Tensor gguf_linear_q8_interleaved(torch::Tensor x, torch::Tensor packed, 
     TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
                 "packed must be gguf_interleave's output");
     x = x.contiguous();
-    const int64_t packed_bytes = qtype == kQ4_1 ? kPackedBlock : kPackedQ8Block;
+    const int64_t packed_bytes = qtype == kQ4_1 ? kPackedQ4Block : kPackedQ8Block;
     const int64_t rows = x.size(0), k_len = x.size(1), blocks = k_len / kBlock, n_out = packed.size(0) * kCols;
     TORCH_CHECK(k_len % kBlock == 0 && packed.size(1) == blocks * packed_bytes, "packed blocks do not hold ", k_len,
                 " inputs per row");
@@ -281,9 +281,9 @@ torch::Tensor gguf_linear_q8_interleaved(torch::Tensor x, torch::Tensor packed, 
             float* yg = yp + g * kCols;
             int64_t i = 0;
             if (qtype == kQ4_1) {
-                for (; i + 4 <= rows; i += 4) column_group<4>(xq, i, wg, blocks, yg, n_out);
-                if (i + 2 <= rows) column_group<2>(xq, i, wg, blocks, yg, n_out), i += 2;
-                if (i < rows) column_group<1>(xq, i, wg, blocks, yg, n_out);
+                for (; i + 4 <= rows; i += 4) column_group_q4<4>(xq, i, wg, blocks, yg, n_out);
+                if (i + 2 <= rows) column_group_q4<2>(xq, i, wg, blocks, yg, n_out), i += 2;
+                if (i < rows) column_group_q4<1>(xq, i, wg, blocks, yg, n_out);
             } else {
                 for (; i + 4 <= rows; i += 4) column_group_q8<4>(xq, i, wg, blocks, yg, n_out);
                 if (i + 2 <= rows) column_group_q8<2>(xq, i, wg, blocks, yg, n_out), i += 2;
