@@ -12,8 +12,8 @@
 // alone, and output (i, n) is one 8-lane fp32 accumulator run over the blocks in order (plus, for
 // Q4_1, one scalar sum of the min terms over the blocks in order), whatever the row count, the row
 // grouping or the threads (work is split by output column only). A verified row gets the bits
-// decoding it alone would have given. Q4_1 weights run interleaved eight columns a vector
-// (gguf_linear_q8_interleaved, below: one fp32 lane per output, the blocks in order), ~3x faster.
+// decoding it alone would have given. Weights whose columns come in eights run interleaved
+// (gguf_linear_q8_interleaved, below: one fp32 lane per output, the blocks in order), 1.3-3.6x faster.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -192,7 +192,7 @@ inline void column_group_q4(const Q8Rows& x, int64_t row0, const uint8_t* wg, in
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (row0 + r) * n_out, _mm256_add_ps(acc[r], mins[r]));
 }
 
-// Q8_0 the same way (gguf_q8_0_interleave): per group of 8 columns and block, 272 bytes: the 8
+// Q8_0 the same way (gguf_interleave): per group of 8 columns and block, 272 bytes: the 8
 // columns' d (fp16), then 8 vectors of 32 bytes, vector g holding inputs 4g..4g+3 (byte 4c + t:
 // column c's weight 4g + t). As in column(), |w| is maddubs' unsigned operand and w's signs move
 // onto x; pair sums reach 2 * 128 * 127, so each of a block's 8 products is widened (madd) before
@@ -227,6 +227,28 @@ inline void column_group_q8(const Q8Rows& x, int64_t row0, const uint8_t* wg, in
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(wd, _mm256_set1_ps(xd[r * blocks + b])), acc[r]);
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (row0 + r) * n_out, acc[r]);
+}
+
+template <int R, bool kQ8>
+inline void column_group(const Q8Rows& x, int64_t row0, const uint8_t* wg, int64_t blocks, float* y, int64_t n_out) {
+    if constexpr (kQ8) column_group_q8<R>(x, row0, wg, blocks, y, n_out);
+    else column_group_q4<R>(x, row0, wg, blocks, y, n_out);
+}
+
+// Every group of 8 columns, rows 4 at a time, then 2, then 1 (as run()).
+template <bool kQ8>
+void run_interleaved(const Q8Rows& x, int64_t rows, const uint8_t* wp, int64_t n_out, int64_t blocks, float* yp) {
+    const int64_t group_bytes = blocks * (kQ8 ? kPackedQ8Block : kPackedQ4Block);
+    at::parallel_for(0, n_out / kCols, 2, [&](int64_t begin, int64_t end) {
+        for (int64_t g = begin; g < end; ++g) {
+            const uint8_t* wg = wp + g * group_bytes;
+            float* yg = yp + g * kCols;
+            int64_t i = 0;
+            for (; i + 4 <= rows; i += 4) column_group<4, kQ8>(x, i, wg, blocks, yg, n_out);
+            if (i + 2 <= rows) column_group<2, kQ8>(x, i, wg, blocks, yg, n_out), i += 2;
+            if (i < rows) column_group<1, kQ8>(x, i, wg, blocks, yg, n_out);
+        }
+    });
 }
 
 }  // namespace
@@ -273,24 +295,8 @@ torch::Tensor gguf_linear_q8_interleaved(torch::Tensor x, torch::Tensor packed, 
                 " inputs per row");
     auto y = torch::empty({rows, n_out}, x.options());
     const Q8Rows xq(x.data_ptr<float>(), rows, k_len);
-    const uint8_t* wp = packed.data_ptr<uint8_t>();
-    float* yp = y.data_ptr<float>();
-    at::parallel_for(0, n_out / kCols, 2, [&](int64_t begin, int64_t end) {
-        for (int64_t g = begin; g < end; ++g) {
-            const uint8_t* wg = wp + g * blocks * packed_bytes;
-            float* yg = yp + g * kCols;
-            int64_t i = 0;
-            if (qtype == kQ4_1) {
-                for (; i + 4 <= rows; i += 4) column_group_q4<4>(xq, i, wg, blocks, yg, n_out);
-                if (i + 2 <= rows) column_group_q4<2>(xq, i, wg, blocks, yg, n_out), i += 2;
-                if (i < rows) column_group_q4<1>(xq, i, wg, blocks, yg, n_out);
-            } else {
-                for (; i + 4 <= rows; i += 4) column_group_q8<4>(xq, i, wg, blocks, yg, n_out);
-                if (i + 2 <= rows) column_group_q8<2>(xq, i, wg, blocks, yg, n_out), i += 2;
-                if (i < rows) column_group_q8<1>(xq, i, wg, blocks, yg, n_out);
-            }
-        }
-    });
+    if (qtype == kQ4_1) run_interleaved<false>(xq, rows, packed.data_ptr<uint8_t>(), n_out, blocks, y.data_ptr<float>());
+    else run_interleaved<true>(xq, rows, packed.data_ptr<uint8_t>(), n_out, blocks, y.data_ptr<float>());
     return y;
 }
 

@@ -143,17 +143,15 @@ class GgufLinear(nn.Module):
 
         self.blocks: GgufBlocks = linear.gguf_blocks
         self.kernel = kernels().gguf_linear_q8 if q8_activations else kernels().gguf_linear
-        self.interleaved = None  # under gguf-q8: eight columns a vector (gguf_q8_matmul.cpp), 2-3x faster
-        if q8_activations and linear.out_features % 8 == 0:
-            self.interleaved = kernels().gguf_interleave(self.blocks.data, self.blocks.qtype)  # the bytes reordered
-            self.blocks = GgufBlocks(self.blocks.qtype, self.interleaved)  # one copy of the weights
+        if q8_activations and linear.out_features % 8 == 0:  # eight columns a vector (gguf_q8_matmul.cpp), 2-3x faster
+            qtype = self.blocks.qtype  # the same bytes reordered, kept as the only copy
+            self.blocks = GgufBlocks(qtype, kernels().gguf_interleave(self.blocks.data, qtype))
             self.kernel = kernels().gguf_linear_q8_interleaved
         self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        y = self.kernel(x2, self.blocks.data, self.blocks.qtype)
+        y = self.kernel(x.reshape(-1, self.in_features), self.blocks.data, self.blocks.qtype)
         if self.bias is not None:
             y += self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

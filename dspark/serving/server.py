@@ -64,7 +64,7 @@ class GrpcApp:
             self.health_server = grpc.aio.server(options=config.EXCLUSIVE_PORT)
             self.health.append(HealthServicer())
             health_pb2_grpc.add_HealthServicer_to_server(self.health[1], self.health_server)
-            self.health_server.add_insecure_port(config.bind_address(self.args.host, self.args.health_port))
+            self._bind(self.health_server, self.args.health_port, None)
             await self.health_server.start()
         await self._set_status(NOT_SERVING)
         await self.server.start()
@@ -96,15 +96,17 @@ class GrpcApp:
         health_pb2_grpc.add_HealthServicer_to_server(self.health[0], server)
         if getattr(self.args, "reflection", False):
             reflection.enable_server_reflection(names, server)
+        self._bind(server, port, config.server_credentials())
+        return server
+
+    def _bind(self, server: grpc.aio.Server, port: int, creds: grpc.ServerCredentials | None) -> None:
         address = config.bind_address(self.args.host, port)
-        creds = config.server_credentials()
         try:
             bound = server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
         except RuntimeError:  # grpcio raises where older versions returned 0
             bound = 0
         if not bound:
             raise SystemExit(f"{self.name}: cannot bind {address} (taken by another process?)")
-        return server
 
     async def _set_status(self, status) -> None:
         for servicer in self.health:
