@@ -12,10 +12,13 @@ import time
 from pathlib import Path
 
 import torch
+from plotting import save_figure
 
 from dspark.kernels.cpu import kernels
+from dspark.models.threads import configure_threads
 
 OUT = Path(__file__).resolve().parent / "results"
+HEAD_DIM = 64  # the kernel's fast path (SmolLM2's heads)
 
 
 def median_us(kernel, q, kc, vc, slots, positions, reps: int) -> float:
@@ -42,16 +45,17 @@ def main(argv=None) -> None:
     kernel = kernels()
     if kernel is None:
         raise SystemExit("the CPU kernels did not build here")
+    threads = configure_threads()
     torch.manual_seed(0)
     max_len = max(args.contexts)
-    kc, vc = torch.randn(1, args.kv_heads, max_len, 64), torch.randn(1, args.kv_heads, max_len, 64)
+    kc, vc = (torch.randn(1, args.kv_heads, max_len, HEAD_DIM) for _ in range(2))
     results = {}
-    print(f"{torch.get_num_threads()} threads; us a layer (ms for {args.layers} layers)")
+    print(f"{threads} threads; us a layer (ms for {args.layers} layers)")
     print(f"{'context':>8} " + " ".join(f"{f'{r} rows':>16}" for r in args.rows))
     for ctx in args.contexts:
         cells = []
         for rows in args.rows:
-            q = torch.randn(rows, args.heads, 64)
+            q = torch.randn(rows, args.heads, HEAD_DIM)
             slots = torch.zeros(rows, dtype=torch.int64)
             positions = torch.arange(ctx - rows, ctx, dtype=torch.int64)
             us = median_us(kernel, q, kc, vc, slots, positions, args.reps)
@@ -71,10 +75,7 @@ def main(argv=None) -> None:
     ax.set_ylabel(f"attention, ms for {args.layers} layers")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=110)
-    print(f"plot: {args.out}")
+    save_figure(fig, args.out)
 
 
 if __name__ == "__main__":
