@@ -234,9 +234,11 @@ def test_metrics_exported_over_otlp(cluster, collector):
         generated = got.get(("dspark-verifier", "dspark_generated_tokens"))
         # an export can be taken between the last token streamed and its count: wait for the whole request
         whole = generated is not None and generated.sum.data_points[0].as_double >= MAX_TOKENS
-        return got if whole and draft_tokens and draft_tokens.sum.data_points[0].as_double > 0 else None
+        # each service exports on its own clock: wait for the drafter's and the scheduler's too
+        others = ("dspark-drafter", "dspark_drafter_requests") in got and ("dspark-scheduler", "dspark_queue_depth") in got
+        return got if whole and others and draft_tokens and draft_tokens.sum.data_points[0].as_double > 0 else None
 
-    got = wait_until(exported, 15, what="verifier metrics over OTLP (every generated token counted)")
+    got = wait_until(exported, 30, what="metrics of all three services over OTLP (every generated token counted)")
     assert got[("dspark-verifier", "dspark_generated_tokens")].sum.is_monotonic
     assert ("dspark-verifier", "dspark_step_latency_seconds_bucket") in got
     assert ("dspark-scheduler", "dspark_queue_depth") in got
