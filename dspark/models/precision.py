@@ -11,7 +11,7 @@ stores weights in bf16 and runs them on oneDNN prepacked kernels (AMX where the 
 `int8` stores weights int8 per output channel with activations quantized per row, so a row's
 result never depends on the other rows of its batch: dspark/kernels/int8_matmul.cpp on AVX-512 VNNI
 (the weights read once for up to 8 rows), FBGEMM elsewhere. `auto` picks by what the CPU
-has: bf16 on AMX-BF16, else int8 on AVX-512 VNNI / AVX-VNNI, else gguf-q8 on AVX2 (fp32 where a
+has: int8 on AVX-512 VNNI / AVX-VNNI (AMX hosts included), else gguf-q8 on AVX2 (fp32 where a
 module has no GGUF blocks), else fp32
 (docs/results.md has the measurements behind the rule).
 On CUDA `auto` is bf16 and bf16 is a plain bf16 `nn.Linear` (cuBLAS, tensor cores); int8 is a
@@ -71,7 +71,7 @@ def has_bf16_matmul() -> bool:
 def add_precision_flag(ap: argparse.ArgumentParser, default: str = "auto") -> None:
     """--precision, defaulting to $DSPARK_PRECISION, else `default`."""
     ap.add_argument("--precision", default=os.environ.get("DSPARK_PRECISION", default), choices=PRECISIONS,
-                    help="matmul kernels (auto: bf16 on AMX, int8 on VNNI, else gguf-q8 on AVX2, else fp32; fp32 = "
+                    help="matmul kernels (auto: int8 on VNNI, else gguf-q8 on AVX2, else fp32; fp32 = "
                          "parity with transformers; gguf = fp32 math on a GGUF's own Q4_1/Q8_0 blocks; gguf-q8 = "
                          "those blocks times 8-bit activation blocks, integer dot products as llama.cpp)")
 
@@ -92,8 +92,7 @@ def resolve_precision(name: str, device: torch.device | str = "cpu") -> str:
                          "(DSPARK_CPU_KERNELS not 0): use fp32 or auto")
     if name != "auto":
         return name
-    if "amx_bf16" in cpu_flags():
-        return "bf16"
+    # AMX hosts too: int8's own kernel reads half bf16's bytes and decodes ~3x faster there (docs/results.md).
     if has_vnni() and "fbgemm" in torch.backends.quantized.supported_engines:
         return "int8"
     return "gguf-q8" if has_gguf_matmul() else "fp32"

@@ -398,7 +398,7 @@ def main(argv=None) -> None:
     parser.add_argument("--feature-cache", help="with --regen: keep the computed features here (about 7 KB a token)")
     parser.add_argument("--feature-precision", default="fp32", choices=("fp32", "bf16", "int8", "auto"),
                         help="with --regen: the target's matmuls for the features (bf16: ~2x faster on CPUs with "
-                             "bf16 dot products, the precision AMX hosts serve at)")
+                             "bf16 dot products)")
     parser.add_argument("--held-out-share", type=float, default=HELD_OUT_SHARE, help="with --regen: records held out")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="with --regen: longer records are cut")
     parser.add_argument("--out", required=True, help="output directory")
