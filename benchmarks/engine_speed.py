@@ -36,6 +36,7 @@ QUESTIONS = [f"{q} (variant {i})" if i else q for i in range(4) for q in QUESTIO
 
 BEFORE_KERNELS = "-sdpa"  # e.g. fp32-sdpa: the model as it ran before dspark/kernels (torch SDPA and norm)
 ON_FBGEMM = "-fbgemm"  # int8-fbgemm: int8 on FBGEMM's dynamic linear, as before int8_matmul.cpp
+NO_AMX = "-noamx"  # int8-noamx: int8_matmul.cpp on VNNI only, its AMX tiles off (the same bits)
 
 
 def set_cpu_kernels(on: bool) -> None:
@@ -164,7 +165,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--precisions", default="fp32-sdpa,fp32,bf16,int8",
                     help=f"comma-separated; a {BEFORE_KERNELS} suffix runs that precision without dspark/kernels, "
-                         f"int8{ON_FBGEMM} runs int8 on FBGEMM instead of int8_matmul.cpp")
+                         f"int8{ON_FBGEMM} runs int8 on FBGEMM instead of int8_matmul.cpp, int8{NO_AMX} without "
+                         "its AMX tiles")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
@@ -178,7 +180,8 @@ def main():
     for precision in precisions:
         set_cpu_kernels(not precision.endswith(BEFORE_KERNELS))
         os.environ["DSPARK_INT8_KERNEL"] = "fbgemm" if precision.endswith(ON_FBGEMM) else "vnni"  # read at load
-        loaded = load_model(precision=precision.removesuffix(BEFORE_KERNELS).removesuffix(ON_FBGEMM))
+        os.environ["DSPARK_INT8_AMX"] = "0" if precision.endswith(NO_AMX) else "1"
+        loaded = load_model(precision=precision.removesuffix(BEFORE_KERNELS).removesuffix(ON_FBGEMM).removesuffix(NO_AMX))
         print(f"[{precision}] decoding ...", flush=True)
         for batch in batches:
             results[(f"dspark {precision}", batch)] = ours(loaded, prompts[:batch], args.tokens)

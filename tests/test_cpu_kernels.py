@@ -264,6 +264,39 @@ def test_int8_linear_is_exact_integer_math_and_each_row_the_same_at_any_row_coun
         torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif(ops is None or not ops.has_int8_amx(), reason="no AMX-INT8 here: every int8 call runs on VNNI")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(37, 64), (96, 576), (48, 1536)])  # inputs in whole tiles of 64; ragged outputs
+def test_int8_linear_on_amx_tiles_gives_the_vnni_bits(shape, bias):
+    """Calls of 16 rows and more take the tile unit: its integer sums are exact as VNNI's and the
+    epilogue is shared, so every row gets the bits of the VNNI path and of itself alone, at every row
+    count across the switch (15/16 rows, a second tile at 17 and 33, a ragged last tile), on one thread
+    and on two; the argmax of the LM head follows."""
+    out_features, in_features = shape
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(out_features, in_features, generator=g)
+    scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(70, in_features, generator=g)
+    x[20] *= 50
+    x[40] = 0.0
+    packed = _pack_for_vnni(w, scale)
+    alone = torch.cat([ops.int8_linear(x[i:i + 1], packed, scale, b) for i in range(len(x))])  # 1 row: VNNI
+    torch.testing.assert_close(alone.double(), int8_reference(x, w, scale, b), rtol=1e-5, atol=1e-4)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for rows in (15, 16, 17, 31, 32, 33, 48, 70):
+                for amx in (True, False):
+                    ops.int8_use_amx(amx)
+                    assert torch.equal(ops.int8_linear(x[:rows], packed, scale, b), alone[:rows]), (rows, amx)
+                    assert torch.equal(ops.int8_linear_argmax(x[:rows], packed, scale, b), alone[:rows].argmax(-1))
+    finally:
+        ops.int8_use_amx(True)
+        torch.set_num_threads(threads)
+
+
 @needs_vnni_int8
 @pytest.mark.parametrize("out_features", [37, 49, 4099])  # a ragged last block; one tile; many tiles
 def test_int8_linear_argmax_is_torch_argmax_of_its_outputs(out_features):

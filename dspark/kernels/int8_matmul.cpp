@@ -17,16 +17,29 @@
 // (int -> float, times row scale times channel scale, plus bias) is the same few ops for every
 // element; work is split across threads by output block only. A verified row gets the bits decoding
 // it alone would have given.
+//
+// On CPUs with AMX-INT8, calls of kAmxMinRows rows or more run their integer sums on the tile unit
+// (TDPBSUD: the signed activations times the same unsigned weight blocks, whose [K / 4][16][4] layout
+// is the tile operand as it is): the same exact int32 sums, the same epilogue, so the same bits as the
+// VNNI path, one weight load per 16 or 32 rows instead of per 8, and 16 x 16 x 64 products a
+// multiply instead of 16 x 4.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "release_gil.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define DSPARK_AMX 1
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -50,7 +63,9 @@ struct Int8Rows {
     std::vector<float> scale;
     std::vector<int32_t> offset;
 
-    Int8Rows(const float* x, int64_t rows, int64_t k_len, int64_t k_pad) : q(rows * k_pad, 0), scale(rows), offset(rows) {
+    // pad_rows >= rows: rows of zeros after the last (a tile unit reads whole tiles of 16 rows).
+    Int8Rows(const float* x, int64_t rows, int64_t k_len, int64_t k_pad, int64_t pad_rows = 0)
+        : q(std::max(rows, pad_rows) * k_pad, 0), scale(rows), offset(rows) {
         const __m512 sign_bit = _mm512_set1_ps(-0.f);
         for (int64_t r = 0; r < rows; ++r) {
             const float* v = x + r * k_len;
@@ -89,6 +104,18 @@ inline __m512i dot_bytes(__m512i acc, __m512i w, __m512i x) {
     return acc;
 }
 
+// One row's 16 integer sums of one block to floats in y: the only float math, the same for every
+// path and row count. One explicit FMA (bias or zero), so the compiler has no mul + add to contract
+// in some instantiations and not others.
+inline void epilogue(const Int8Rows& x, int64_t row, __m512i sums, int valid, const float* w_scale,
+                     const float* bias, float* y) {
+    const __mmask16 keep = valid == kOut ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+    const __m512 values = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, _mm512_set1_epi32(x.offset[row])));
+    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(x.scale[row]), _mm512_maskz_loadu_ps(keep, w_scale));
+    const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(y, keep, _mm512_fmadd_ps(values, scale, add));
+}
+
 // R rows x B blocks of outputs: every weight vector is loaded once and used by all R rows.
 // `valid`: outputs of the last block that exist (the packed weights pad the output count to 16).
 template <int R, int B>
@@ -116,19 +143,10 @@ inline void tile(const Int8Rows& x, int64_t row0, int64_t k_len, const uint8_t* 
             for (int b = 0; b < B; ++b) acc[r * B + b] = dot_bytes(acc[r * B + b], wv[b], xb);
         }
     }
-    for (int r = 0; r < R; ++r) {
-        const __m512i offset = _mm512_set1_epi32(x.offset[row0 + r]);
-        const __m512 row_scale = _mm512_set1_ps(x.scale[row0 + r]);
-        for (int b = 0; b < B; ++b) {
-            // One explicit FMA (bias or zero), so the compiler has no mul + add to contract in some
-            // instantiations and not others: the same bits at every row count.
-            const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r * B + b], offset));
-            const __mmask16 keep = b + 1 < B ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-            const __m512 scale = _mm512_mul_ps(row_scale, _mm512_maskz_loadu_ps(keep, w_scale + b * kOut));
-            const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias + b * kOut) : _mm512_setzero_ps();
-            _mm512_mask_storeu_ps(y + (row0 + r) * n_out + b * kOut, keep, _mm512_fmadd_ps(sums, scale, add));
-        }
-    }
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < B; ++b)
+            epilogue(x, row0 + r, acc[r * B + b], b + 1 < B ? int(kOut) : valid, w_scale + b * kOut,
+                     bias != nullptr ? bias + b * kOut : nullptr, y + (row0 + r) * n_out + b * kOut);
 }
 
 template <int B>
@@ -147,6 +165,78 @@ void rows_of_tile(const Int8Rows& x, int64_t rows, int64_t k_len, const uint8_t*
         default: break;
     }
 }
+
+#ifdef DSPARK_AMX
+constexpr int64_t kAmxRows = 16;     // rows of a tile (activations, sums)
+constexpr int64_t kAmxDepth = 64;    // input bytes a tile multiply takes
+constexpr int64_t kAmxMinRows = 16;  // fewer rows stay on VNNI (measured: see docs/results.md, session 29)
+constexpr int64_t kAmxPrefetchSteps = 2;
+
+std::atomic<bool> amx_allowed{true};  // int8_use_amx(False): every call on VNNI (tests, benchmarks)
+
+// Linux hands a process the tile registers' state only once it asks (arch_prctl, kernel 5.16+).
+bool amx_granted() {
+    static const bool granted = [] {
+        constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+        return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+    }();
+    return granted;
+}
+
+// Palette 1, all eight tiles 16 rows x 64 bytes: sums (16 x 16 int32), activations (16 rows x 64
+// inputs), weights (16 groups of 4 inputs x 16 outputs x 4).
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+    TileConfig() {
+        for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
+    }
+};
+
+// Tiles: sums 0-3 ([row tile][block]), activations 4-5, weights 6-7. M row tiles x B blocks.
+template <int M, int B>
+void amx_tile(const Int8Rows& x, int64_t row0, int64_t rows, int64_t k_pad, const uint8_t* w, int64_t block_bytes,
+              const float* w_scale, const float* bias, float* y, int64_t n_out, int valid) {
+    _tile_zero(0);
+    if (B > 1) _tile_zero(1);
+    if (M > 1) _tile_zero(2);
+    if (M > 1 && B > 1) _tile_zero(3);
+    const int8_t* xq = x.q.data() + row0 * k_pad;
+    for (int64_t k = 0; k < k_pad; k += kAmxDepth) {
+        // The weights a few steps ahead: a tile load waits for every line it takes.
+        for (int b = 0; b < B; ++b)
+            for (int64_t line = 0; line < kAmxDepth * kOut; line += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(w + b * block_bytes + (k + kAmxPrefetchSteps * kAmxDepth) * kOut + line), _MM_HINT_T0);
+        _tile_loadd(4, xq + k, k_pad);
+        if (M > 1) _tile_loadd(5, xq + kAmxRows * k_pad + k, k_pad);
+        _tile_loadd(6, w + k * kOut, 64);
+        if (B > 1) _tile_loadd(7, w + block_bytes + k * kOut, 64);
+        _tile_dpbsud(0, 4, 6);
+        if (B > 1) _tile_dpbsud(1, 4, 7);
+        if (M > 1) _tile_dpbsud(2, 5, 6);
+        if (M > 1 && B > 1) _tile_dpbsud(3, 5, 7);
+    }
+    alignas(64) int32_t sums[M][B][kAmxRows][kOut];
+    _tile_stored(0, sums[0][0], 64);
+    if (B > 1) _tile_stored(1, sums[0][B - 1], 64);
+    if (M > 1) _tile_stored(2, sums[M - 1][0], 64);
+    if (M > 1 && B > 1) _tile_stored(3, sums[M - 1][B - 1], 64);
+    for (int64_t r = 0; r < std::min<int64_t>(rows, M * kAmxRows); ++r)
+        for (int b = 0; b < B; ++b)
+            epilogue(x, row0 + r, _mm512_load_si512(sums[r / kAmxRows][b][r % kAmxRows]), b + 1 < B ? int(kOut) : valid,
+                     w_scale + b * kOut, bias != nullptr ? bias + b * kOut : nullptr, y + (row0 + r) * n_out + b * kOut);
+}
+
+template <int B>
+void amx_rows(const Int8Rows& x, int64_t rows, int64_t k_pad, const uint8_t* w, int64_t block_bytes,
+              const float* w_scale, const float* bias, float* y, int64_t n_out, int valid) {
+    for (int64_t r = 0; r < rows; r += 2 * kAmxRows) {
+        if (rows - r > kAmxRows) amx_tile<2, B>(x, r, rows - r, k_pad, w, block_bytes, w_scale, bias, y, n_out, valid);
+        else amx_tile<1, B>(x, r, rows - r, k_pad, w, block_bytes, w_scale, bias, y, n_out, valid);
+    }
+}
+#endif
 
 // What both entry points check and derive from their arguments, and one tile of outputs.
 // x [rows, in] float32; packed [ceil(out / 16)][ceil(in / 4)][16][4] uint8 (w + 128, zero weights in the
@@ -179,6 +269,35 @@ struct Int8Call {
         w_scale = scale.data_ptr<float>();
         block_bytes = k_pad * kOut, tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
         last_valid = static_cast<int>(n_out - (blocks - 1) * kOut);
+#ifdef DSPARK_AMX
+        amx = rows >= kAmxMinRows && k_pad % kAmxDepth == 0 && amx_allowed.load() && amx_granted();
+#endif
+    }
+
+    bool amx = false;  // the sums on the tile unit (same bits)
+
+    // The rows quantized, padded to whole tiles where the tile unit reads them.
+    Int8Rows quantized() const {
+        int64_t pad = 0;
+#ifdef DSPARK_AMX
+        if (amx) pad = (rows + 2 * kAmxRows - 1) / (2 * kAmxRows) * (2 * kAmxRows);  // amx_rows reads up to 32
+#endif
+        return Int8Rows(x.data_ptr<float>(), rows, k_len, k_pad, pad);
+    }
+
+    // Each thread loads its tile configuration before its first tile and releases it after.
+    template <typename F>
+    void with_tiles(F&& run) const {
+#ifdef DSPARK_AMX
+        if (amx) {
+            const TileConfig config;
+            _tile_loadconfig(&config);
+            run();
+            _tile_release();
+            return;
+        }
+#endif
+        run();
     }
 
     // Tile t's outputs (kTileBlocks blocks, fewer at the end) of every row into y, rows `stride` apart,
@@ -188,6 +307,13 @@ struct Int8Call {
         const int valid = b0 + nb == blocks ? last_valid : static_cast<int>(kOut);
         const uint8_t* wt = w + b0 * block_bytes;
         const float* bt = bias == nullptr ? nullptr : bias + b0 * kOut;
+#ifdef DSPARK_AMX
+        if (amx) {
+            if (nb == kTileBlocks) amx_rows<kTileBlocks>(xq, rows, k_pad, wt, block_bytes, w_scale + b0 * kOut, bt, y, stride, valid);
+            else amx_rows<1>(xq, rows, k_pad, wt, block_bytes, w_scale + b0 * kOut, bt, y, stride, valid);
+            return {b0 * kOut, (nb - 1) * kOut + valid};
+        }
+#endif
         if (nb == kTileBlocks) rows_of_tile<kTileBlocks>(xq, rows, k_pad, wt, block_bytes, w_scale + b0 * kOut, bt, y, stride, valid);
         else rows_of_tile<1>(xq, rows, k_pad, wt, block_bytes, w_scale + b0 * kOut, bt, y, stride, valid);
         return {b0 * kOut, (nb - 1) * kOut + valid};
@@ -200,10 +326,12 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
     const Int8Call call(x, packed, w_scale, bias);
     auto y = torch::empty({call.rows, call.n_out}, call.x.options());
     if (call.rows == 0) return y;
-    const Int8Rows xq(call.x.data_ptr<float>(), call.rows, call.k_len, call.k_pad);
+    const Int8Rows xq = call.quantized();
     float* yp = y.data_ptr<float>();
     at::parallel_for(0, call.tiles, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) call.tile(xq, t, yp + t * kTileBlocks * kOut, call.n_out);
+        call.with_tiles([&] {
+            for (int64_t t = begin; t < end; ++t) call.tile(xq, t, yp + t * kTileBlocks * kOut, call.n_out);
+        });
     });
     return y;
 }
@@ -222,7 +350,7 @@ torch::Tensor int8_linear_argmax(torch::Tensor x, torch::Tensor packed, torch::T
     const int64_t rows = call.rows;
     auto out = torch::empty({rows}, call.x.options().dtype(torch::kLong));
     if (rows == 0) return out;
-    const Int8Rows xq(call.x.data_ptr<float>(), rows, call.k_len, call.k_pad);
+    const Int8Rows xq = call.quantized();
     constexpr int64_t width = kTileBlocks * kOut;  // outputs a tile
     const int threads = at::get_num_threads();
     // Per thread and row: 16 lanes of (largest value, its first index), and whether a NaN was seen.
@@ -233,26 +361,28 @@ torch::Tensor int8_linear_argmax(torch::Tensor x, torch::Tensor packed, torch::T
     at::parallel_for(0, call.tiles, 1, [&](int64_t begin, int64_t end) {
         const int me = at::get_thread_num();
         std::vector<float> y(rows * width);
-        for (int64_t t = begin; t < end; ++t) {
-            const auto [first, outputs] = call.tile(xq, t, y.data(), width);
-            for (int64_t r = 0; r < rows; ++r) {
-                float* best_v = lane_value.data() + (me * rows + r) * kOut;
-                int32_t* best_i = lane_index.data() + (me * rows + r) * kOut;
-                __m512 bv = _mm512_loadu_ps(best_v);
-                __m512i bi = _mm512_loadu_si512(best_i);
-                for (int64_t o = 0; o < outputs; o += kOut) {
-                    const __mmask16 keep = outputs - o >= kOut ? __mmask16(0xFFFF) : __mmask16((1u << (outputs - o)) - 1);
-                    const __m512 v = _mm512_maskz_loadu_ps(keep, y.data() + r * width + o);
-                    if (_mm512_mask_cmp_ps_mask(keep, v, v, _CMP_UNORD_Q)) nan_seen[me * rows + r] = 1;
-                    // Strictly larger only: a lane's indices ascend, so it keeps its first maximum.
-                    const __mmask16 more = _mm512_mask_cmp_ps_mask(keep, v, bv, _CMP_GT_OQ);
-                    bv = _mm512_mask_mov_ps(bv, more, v);
-                    bi = _mm512_mask_mov_epi32(bi, more, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first + o)), lane));
+        call.with_tiles([&] {
+            for (int64_t t = begin; t < end; ++t) {
+                const auto [first, outputs] = call.tile(xq, t, y.data(), width);
+                for (int64_t r = 0; r < rows; ++r) {
+                    float* best_v = lane_value.data() + (me * rows + r) * kOut;
+                    int32_t* best_i = lane_index.data() + (me * rows + r) * kOut;
+                    __m512 bv = _mm512_loadu_ps(best_v);
+                    __m512i bi = _mm512_loadu_si512(best_i);
+                    for (int64_t o = 0; o < outputs; o += kOut) {
+                        const __mmask16 keep = outputs - o >= kOut ? __mmask16(0xFFFF) : __mmask16((1u << (outputs - o)) - 1);
+                        const __m512 v = _mm512_maskz_loadu_ps(keep, y.data() + r * width + o);
+                        if (_mm512_mask_cmp_ps_mask(keep, v, v, _CMP_UNORD_Q)) nan_seen[me * rows + r] = 1;
+                        // Strictly larger only: a lane's indices ascend, so it keeps its first maximum.
+                        const __mmask16 more = _mm512_mask_cmp_ps_mask(keep, v, bv, _CMP_GT_OQ);
+                        bv = _mm512_mask_mov_ps(bv, more, v);
+                        bi = _mm512_mask_mov_epi32(bi, more, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first + o)), lane));
+                    }
+                    _mm512_storeu_ps(best_v, bv);
+                    _mm512_storeu_si512(best_i, bi);
                 }
-                _mm512_storeu_ps(best_v, bv);
-                _mm512_storeu_si512(best_i, bi);
             }
-        }
+        });
     });
     int64_t* o = out.data_ptr<int64_t>();
     for (int64_t r = 0; r < rows; ++r) {
@@ -275,6 +405,14 @@ torch::Tensor int8_linear_argmax(torch::Tensor x, torch::Tensor packed, torch::T
 
 bool has_int8_linear() { return true; }
 
+#ifdef DSPARK_AMX
+bool has_int8_amx() { return amx_granted(); }
+bool int8_use_amx(bool on) { return amx_allowed.exchange(on); }
+#else
+bool has_int8_amx() { return false; }
+bool int8_use_amx(bool) { return false; }
+#endif
+
 #else  // no AVX-512 VNNI: Int8Linear stays on FBGEMM
 
 torch::Tensor int8_linear(torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>) {
@@ -286,6 +424,8 @@ torch::Tensor int8_linear_argmax(torch::Tensor, torch::Tensor, torch::Tensor, c1
 }
 
 bool has_int8_linear() { return false; }
+bool has_int8_amx() { return false; }
+bool int8_use_amx(bool) { return false; }
 
 #endif
 
@@ -294,4 +434,7 @@ void register_int8_matmul(pybind11::module& m) {
     m.def("int8_linear_argmax", &int8_linear_argmax, kReleaseGil,
           "argmax over the outputs of int8_linear, row by row, without writing them (a greedy LM head)");
     m.def("has_int8_linear", &has_int8_linear, "whether int8_linear was built for this CPU");
+    m.def("has_int8_amx", &has_int8_amx, "whether int8_linear runs calls of several rows on AMX tiles here");
+    m.def("int8_use_amx", &int8_use_amx, "allow AMX tiles (True, the default) or keep every call on VNNI; returns "
+          "the previous setting");
 }

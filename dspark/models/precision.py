@@ -10,7 +10,8 @@ multiplies the same blocks by each row of activations rounded to 8-bit blocks of
 stores weights in bf16 and runs them on oneDNN prepacked kernels (AMX where the CPU has it).
 `int8` stores weights int8 per output channel with activations quantized per row, so a row's
 result never depends on the other rows of its batch: dspark/kernels/int8_matmul.cpp on AVX-512 VNNI
-(the weights read once for up to 8 rows), FBGEMM elsewhere. `auto` picks by what the CPU
+(the weights read once for up to 8 rows; calls of 16 rows and more on AMX tiles where the CPU has
+them, the same integer sums), FBGEMM elsewhere. `auto` picks by what the CPU
 has: int8 on AVX-512 VNNI / AVX-VNNI (AMX hosts included), else gguf-q8 on AVX2 (fp32 where a
 module has no GGUF blocks), else fp32
 (docs/results.md has the measurements behind the rule).
@@ -223,13 +224,17 @@ def _int8_argmax_kernel():
 
 def _int8_kernel():
     """int8_matmul.cpp's int8_linear where it runs (AVX-512 VNNI, C++ kernels on), else None: FBGEMM.
-    `DSPARK_INT8_KERNEL=fbgemm` keeps FBGEMM anywhere (benchmarks/engine_speed.py's int8-fbgemm)."""
+    `DSPARK_INT8_KERNEL=fbgemm` keeps FBGEMM anywhere (benchmarks/engine_speed.py's int8-fbgemm);
+    `DSPARK_INT8_AMX=0` keeps calls of many rows off the AMX tiles too (the same bits, for comparisons)."""
     if os.environ.get("DSPARK_INT8_KERNEL", "vnni") == "fbgemm":
         return None
     from dspark.kernels.cpu import kernels
 
     module = kernels()
-    return module.int8_linear if module is not None and module.has_int8_linear() else None
+    if module is None or not module.has_int8_linear():
+        return None
+    module.int8_use_amx(os.environ.get("DSPARK_INT8_AMX", "1") != "0")
+    return module.int8_linear
 
 
 def _pack_for_vnni(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
