@@ -233,6 +233,20 @@ def int8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: 
     return y if bias is None else y + bias.double()
 
 
+def int8_case(shape: tuple[int, int], bias: bool, rows: int, seed: int):
+    """(w, its channel scales, bias or None, x [rows, in]) for an int8 kernel test: x has an outlier
+    row (quantized on its own scale) at rows // 6 and an all-zero row (the bias, not NaN) at rows // 3."""
+    out_features, in_features = shape
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g)
+    scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(rows, in_features, generator=g)
+    x[rows // 6] *= 50
+    x[rows // 3] = 0.0
+    return w, scale, b, x
+
+
 @needs_vnni_int8
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(37, 98), (64, 96), (16, 4), (5, 3)])  # ragged outputs and inputs
@@ -240,14 +254,7 @@ def test_int8_linear_is_exact_integer_math_and_each_row_the_same_at_any_row_coun
     """The kernel against its math in fp64 (to fp32 rounding), close to the fp32 matmul; a row's bits
     are the same alone and in any batch: 1..19 rows cover every grouping (8-row passes, then 7..1),
     on one thread and on two."""
-    out_features, in_features = shape
-    g = torch.Generator().manual_seed(2)
-    w = torch.randn(out_features, in_features, generator=g)
-    scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
-    b = torch.randn(out_features, generator=g) if bias else None
-    x = torch.randn(19, in_features, generator=g)
-    x[3] *= 50  # an outlier row quantizes on its own scale
-    x[6] = 0.0  # an all-zero row gives the bias, not NaN
+    w, scale, b, x = int8_case(shape, bias, 19, seed=2)
     packed = _pack_for_vnni(w, scale)
     y = ops.int8_linear(x, packed, scale, b)
     torch.testing.assert_close(y.double(), int8_reference(x, w, scale, b), rtol=1e-5, atol=1e-4)
@@ -272,14 +279,7 @@ def test_int8_linear_on_amx_tiles_gives_the_vnni_bits(shape, bias):
     epilogue is shared, so every row gets the bits of the VNNI path and of itself alone, at every row
     count across the switch (15/16 rows, a second tile at 17 and 33, a ragged last tile), on one thread
     and on two; the argmax of the LM head follows."""
-    out_features, in_features = shape
-    g = torch.Generator().manual_seed(4)
-    w = torch.randn(out_features, in_features, generator=g)
-    scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
-    b = torch.randn(out_features, generator=g) if bias else None
-    x = torch.randn(70, in_features, generator=g)
-    x[20] *= 50
-    x[40] = 0.0
+    w, scale, b, x = int8_case(shape, bias, 70, seed=4)
     packed = _pack_for_vnni(w, scale)
     alone = torch.cat([ops.int8_linear(x[i:i + 1], packed, scale, b) for i in range(len(x))])  # 1 row: VNNI
     torch.testing.assert_close(alone.double(), int8_reference(x, w, scale, b), rtol=1e-5, atol=1e-4)
