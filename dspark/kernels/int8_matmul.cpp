@@ -170,7 +170,6 @@ void rows_of_tile(const Int8Rows& x, int64_t rows, int64_t k_len, const uint8_t*
 constexpr int64_t kAmxRows = 16;     // rows of a tile (activations, sums)
 constexpr int64_t kAmxDepth = 64;    // input bytes a tile multiply takes
 constexpr int64_t kAmxMinRows = 16;  // fewer rows stay on VNNI (measured: see docs/results.md, session 29)
-constexpr int64_t kAmxPrefetchSteps = 2;
 
 std::atomic<bool> amx_allowed{true};  // int8_use_amx(False): every call on VNNI (tests, benchmarks)
 
@@ -204,10 +203,6 @@ void amx_tile(const Int8Rows& x, int64_t row0, int64_t rows, int64_t k_pad, cons
     if (M > 1 && B > 1) _tile_zero(3);
     const int8_t* xq = x.q.data() + row0 * k_pad;
     for (int64_t k = 0; k < k_pad; k += kAmxDepth) {
-        // The weights a few steps ahead: a tile load waits for every line it takes.
-        for (int b = 0; b < B; ++b)
-            for (int64_t line = 0; line < kAmxDepth * kOut; line += 64)
-                _mm_prefetch(reinterpret_cast<const char*>(w + b * block_bytes + (k + kAmxPrefetchSteps * kAmxDepth) * kOut + line), _MM_HINT_T0);
         _tile_loadd(4, xq + k, k_pad);
         if (M > 1) _tile_loadd(5, xq + kAmxRows * k_pad + k, k_pad);
         _tile_loadd(6, w + k * kOut, 64);
