@@ -104,16 +104,17 @@ inline __m512i dot_bytes(__m512i acc, __m512i w, __m512i x) {
     return acc;
 }
 
-// One row's 16 integer sums of one block to floats in y: the only float math, the same for every
-// path and row count. One explicit FMA (bias or zero), so the compiler has no mul + add to contract
-// in some instantiations and not others.
-inline void epilogue(const Int8Rows& x, int64_t row, __m512i sums, int valid, const float* w_scale,
-                     const float* bias, float* y) {
-    const __mmask16 keep = valid == kOut ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+// One row's 16 integer sums of block b (of `blocks`; the last has `valid` outputs) to floats in the
+// row's outputs y_row: the only float math, the same for every path and row count. One explicit FMA
+// (bias or zero), so the compiler has no mul + add to contract in some instantiations and not others.
+inline void epilogue(const Int8Rows& x, int64_t row, int b, int blocks, int valid, __m512i sums,
+                     const float* w_scale, const float* bias, float* y_row) {
+    const int outputs = b + 1 < blocks ? int(kOut) : valid;
+    const __mmask16 keep = outputs == kOut ? __mmask16(0xFFFF) : __mmask16((1u << outputs) - 1);
     const __m512 values = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, _mm512_set1_epi32(x.offset[row])));
-    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(x.scale[row]), _mm512_maskz_loadu_ps(keep, w_scale));
-    const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
-    _mm512_mask_storeu_ps(y, keep, _mm512_fmadd_ps(values, scale, add));
+    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(x.scale[row]), _mm512_maskz_loadu_ps(keep, w_scale + b * kOut));
+    const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias + b * kOut) : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(y_row + b * kOut, keep, _mm512_fmadd_ps(values, scale, add));
 }
 
 // R rows x B blocks of outputs: every weight vector is loaded once and used by all R rows.
@@ -145,8 +146,7 @@ inline void tile(const Int8Rows& x, int64_t row0, int64_t k_len, const uint8_t* 
     }
     for (int r = 0; r < R; ++r)
         for (int b = 0; b < B; ++b)
-            epilogue(x, row0 + r, acc[r * B + b], b + 1 < B ? int(kOut) : valid, w_scale + b * kOut,
-                     bias != nullptr ? bias + b * kOut : nullptr, y + (row0 + r) * n_out + b * kOut);
+            epilogue(x, row0 + r, b, B, valid, acc[r * B + b], w_scale, bias, y + (row0 + r) * n_out);
 }
 
 template <int B>
@@ -219,8 +219,8 @@ void amx_tile(const Int8Rows& x, int64_t row0, int64_t rows, int64_t k_pad, cons
     if (M > 1 && B > 1) _tile_stored(3, sums[M - 1][B - 1], 64);
     for (int64_t r = 0; r < std::min<int64_t>(rows, M * kAmxRows); ++r)
         for (int b = 0; b < B; ++b)
-            epilogue(x, row0 + r, _mm512_load_si512(sums[r / kAmxRows][b][r % kAmxRows]), b + 1 < B ? int(kOut) : valid,
-                     w_scale + b * kOut, bias != nullptr ? bias + b * kOut : nullptr, y + (row0 + r) * n_out + b * kOut);
+            epilogue(x, row0 + r, b, B, valid, _mm512_load_si512(sums[r / kAmxRows][b][r % kAmxRows]), w_scale, bias,
+                     y + (row0 + r) * n_out);
 }
 
 template <int B>
