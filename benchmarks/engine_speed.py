@@ -37,6 +37,7 @@ QUESTIONS = [f"{q} (variant {i})" if i else q for i in range(4) for q in QUESTIO
 BEFORE_KERNELS = "-sdpa"  # e.g. fp32-sdpa: the model as it ran before dspark/kernels (torch SDPA and norm)
 ON_FBGEMM = "-fbgemm"  # int8-fbgemm: int8 on FBGEMM's dynamic linear, as before int8_matmul.cpp
 NO_AMX = "-noamx"  # int8-noamx: int8_matmul.cpp on VNNI only, its AMX tiles off (the same bits)
+NO_SMOOTH = "-nosmooth"  # int8-nosmooth: int8 without SmoothQuant's scales (dspark/models/int8_smoothing.py)
 
 
 def set_cpu_kernels(on: bool) -> None:
@@ -181,7 +182,10 @@ def main():
         set_cpu_kernels(not precision.endswith(BEFORE_KERNELS))
         os.environ["DSPARK_INT8_KERNEL"] = "fbgemm" if precision.endswith(ON_FBGEMM) else "vnni"  # read at load
         os.environ["DSPARK_INT8_AMX"] = "0" if precision.endswith(NO_AMX) else "1"
-        loaded = load_model(precision=precision.removesuffix(BEFORE_KERNELS).removesuffix(ON_FBGEMM).removesuffix(NO_AMX))
+        kernels_of = precision
+        for suffix in (BEFORE_KERNELS, ON_FBGEMM, NO_AMX, NO_SMOOTH):
+            kernels_of = kernels_of.removesuffix(suffix)
+        loaded = load_model(precision=kernels_of, int8_smoothing=not precision.endswith(NO_SMOOTH))
         print(f"[{precision}] decoding ...", flush=True)
         for batch in batches:
             results[(f"dspark {precision}", batch)] = ours(loaded, prompts[:batch], args.tokens)

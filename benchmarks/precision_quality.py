@@ -43,8 +43,9 @@ def main():
     ap.add_argument("--prompts-per-dataset", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--precisions", default="bf16,int8,int8-bf16kv",
-                    help="comma-separated; int8-fbgemm = int8 on FBGEMM; a -bf16kv suffix: a bf16 KV cache "
-                         "instead of serving's (fp32 under int8)")
+                    help="comma-separated; int8-fbgemm = int8 on FBGEMM; int8-nosmooth = int8 without "
+                         "SmoothQuant's scales; a -bf16kv suffix: a bf16 KV cache instead of serving's (fp32 "
+                         "under int8)")
     ap.add_argument("--eval-dir", type=Path, default=EVAL_DIR)
     args = ap.parse_args()
     configure_threads()
@@ -67,7 +68,8 @@ def main():
         if base not in loaded:
             # int8-fbgemm: int8 on FBGEMM's kernel (CPUs without AVX-512 VNNI), read when the model is built
             os.environ["DSPARK_INT8_KERNEL"] = "fbgemm" if base == "int8-fbgemm" else "vnni"
-            loaded[base] = load_model(precision=base.removesuffix("-fbgemm")).model
+            loaded[base] = load_model(precision=base.removesuffix("-fbgemm").removesuffix("-nosmooth"),
+                                      int8_smoothing=not base.endswith("-nosmooth")).model
         contenders[precision] = (loaded[base], torch.bfloat16 if precision != base else None)
     models = list(contenders)
     table = {}

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from dspark.kernels.cpu import kernels
 from dspark.models.batch import VarlenBatch
+from dspark.models.int8_smoothing import linear_input_ranges
 from dspark.models.layers import Rotary, apply_rope, rope_tables
 from dspark.models.precision import Int8Linear, _pack_for_vnni, has_gguf_matmul
 from tests.spec_helpers import tiny_target
@@ -198,13 +199,17 @@ needs_vnni_int8 = pytest.mark.skipif(ops is None or not ops.has_int8_linear(),
 
 
 @needs_vnni_int8
-def test_the_int8_layer_stack_gives_the_python_loops_bits():
+@pytest.mark.parametrize("smoothed", [False, True])
+def test_the_int8_layer_stack_gives_the_python_loops_bits(smoothed):
     """Transformer.forward through kernels().Int8Layers (a pass's layers in one call) against its loop
     over fused_forward: the same kernels in the same order, so the same logits, hidden states and
-    captured features, for a prompt prefilled beside another request's rows and then decode rows."""
+    captured features, for a prompt prefilled beside another request's rows and then decode rows;
+    with SmoothQuant's input scales too."""
     target = tiny_target(layers=3)
-    target.set_precision("int8")
+    ranges = linear_input_ranges(target, [[5, 9, 11, 3, 7, 2, 30, 4]]) if smoothed else None
+    target.set_precision("int8", ranges)
     assert target._layer_stack is not None and len(target._layer_stack) == 3
+    assert (target.model.layers[0].mlp.down_proj.x_scale is not None) == smoothed
 
     def run():
         cache = target.new_cache(2, 32)
@@ -332,6 +337,22 @@ def test_int8_linear_argmax_is_torch_argmax_of_its_outputs(out_features):
     head = Int8Linear(linear)
     assert torch.equal(head.argmax(x), head(x).argmax(-1))
     assert ops.int8_linear_argmax(x[:0], packed, scale, None).shape == (0,)
+
+
+@needs_vnni_int8
+def test_int8_linear_x_scale_quantizes_the_scaled_rows():
+    """x_scale (SmoothQuant's 1 / s) is multiplied into each input before the row is quantized: the
+    bits of the same call on x * x_scale, for the outputs and the argmax, at 1..19 rows."""
+    w, scale, b, x = int8_case((37, 98), True, 19, seed=4)
+    x_scale = torch.rand(98, generator=torch.Generator().manual_seed(5)) * 4 + 0.1
+    packed = _pack_for_vnni(w, scale)
+    expected = ops.int8_linear(x * x_scale, packed, scale, b)
+    assert not torch.equal(expected, ops.int8_linear(x, packed, scale, b))
+    for rows in range(1, 20):
+        assert torch.equal(ops.int8_linear(x[:rows], packed, scale, b, x_scale), expected[:rows])
+        assert torch.equal(ops.int8_linear_argmax(x[:rows], packed, scale, b, x_scale), expected[:rows].argmax(-1))
+    with pytest.raises(RuntimeError, match="x_scale must be"):
+        ops.int8_linear(x, packed, scale, b, x_scale[:97])
 
 
 @needs_vnni_int8

@@ -57,18 +57,25 @@ constexpr int64_t kPrefetchL2Bytes = 4096;
 constexpr int kTileBlocks = 2;  // a tile's blocks (rows_of_tile<1> takes the odd last one)
 
 // Each row: q = round(x * 127 / max|x|) (nearest even) in [-127, 127], scale max|x| / 127, and
-// 128 * sum(q), the offset the unsigned weights add.
+// 128 * sum(q), the offset the unsigned weights add. With x_scale, x is first multiplied by it, input
+// by input (SmoothQuant: the weights were packed times 1 / x_scale, so the product is unchanged and a
+// few outlier inputs no longer take most of a row's 8 bits).
 struct Int8Rows {
     std::vector<int8_t> q;  // [rows][k_pad], zeros past k_len
     std::vector<float> scale;
     std::vector<int32_t> offset;
 
     // pad_rows >= rows: rows of zeros after the last (a tile unit reads whole tiles of 16 rows).
-    Int8Rows(const float* x, int64_t rows, int64_t k_len, int64_t k_pad, int64_t pad_rows = 0)
+    Int8Rows(const float* x, const float* x_scale, int64_t rows, int64_t k_len, int64_t k_pad, int64_t pad_rows = 0)
         : q(std::max(rows, pad_rows) * k_pad, 0), scale(rows), offset(rows) {
+        std::vector<float> scaled(x_scale != nullptr ? k_len : 0);
         const __m512 sign_bit = _mm512_set1_ps(-0.f);
         for (int64_t r = 0; r < rows; ++r) {
             const float* v = x + r * k_len;
+            if (x_scale != nullptr) {
+                for (int64_t k = 0; k < k_len; ++k) scaled[k] = v[k] * x_scale[k];
+                v = scaled.data();
+            }
             __m512 amax = _mm512_setzero_ps();
             int64_t k = 0;
             for (; k + 16 <= k_len; k += 16) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign_bit, _mm512_loadu_ps(v + k)));
@@ -243,9 +250,10 @@ struct Int8Call {
     const uint8_t* w;
     const float* w_scale;
     const float* bias = nullptr;
+    const float* x_scale = nullptr;
 
     Int8Call(const torch::Tensor& x_in, const torch::Tensor& packed, const torch::Tensor& scale,
-             const c10::optional<torch::Tensor>& b) {
+             const c10::optional<torch::Tensor>& b, const c10::optional<torch::Tensor>& x_sc) {
         TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "x must be [rows, in] float32");
         TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
                     packed.size(2) == kOut && packed.size(3) == 4, "packed must be [out / 16, in / 4, 16, 4] uint8");
@@ -259,6 +267,11 @@ struct Int8Call {
             TORCH_CHECK(b->scalar_type() == torch::kFloat32 && b->is_contiguous() && b->numel() == n_out,
                         "bias must be [out] float32");
             bias = b->data_ptr<float>();
+        }
+        if (x_sc.has_value()) {
+            TORCH_CHECK(x_sc->scalar_type() == torch::kFloat32 && x_sc->is_contiguous() && x_sc->numel() == k_len,
+                        "x_scale must be [in] float32");
+            x_scale = x_sc->data_ptr<float>();
         }
         w = packed.data_ptr<uint8_t>();
         w_scale = scale.data_ptr<float>();
@@ -277,7 +290,7 @@ struct Int8Call {
 #ifdef DSPARK_AMX
         if (amx) pad = (rows + 2 * kAmxRows - 1) / (2 * kAmxRows) * (2 * kAmxRows);  // amx_rows reads up to 32
 #endif
-        return Int8Rows(x.data_ptr<float>(), rows, k_len, k_pad, pad);
+        return Int8Rows(x.data_ptr<float>(), x_scale, rows, k_len, k_pad, pad);
     }
 
     // Each thread loads its tile configuration before its first tile and releases it after.
@@ -317,8 +330,9 @@ struct Int8Call {
 
 }  // namespace
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, c10::optional<torch::Tensor> bias) {
-    const Int8Call call(x, packed, w_scale, bias);
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, c10::optional<torch::Tensor> bias,
+                          c10::optional<torch::Tensor> x_scale) {
+    const Int8Call call(x, packed, w_scale, bias, x_scale);
     auto y = torch::empty({call.rows, call.n_out}, call.x.options());
     if (call.rows == 0) return y;
     const Int8Rows xq = call.quantized();
@@ -339,8 +353,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
 // torch.argmax's in any split. A row with a NaN output comes back as -1 (the caller takes torch's
 // argmax of its logits, which NaN orders first).
 torch::Tensor int8_linear_argmax(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale,
-                                 c10::optional<torch::Tensor> bias) {
-    const Int8Call call(x, packed, w_scale, bias);
+                                 c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> x_scale) {
+    const Int8Call call(x, packed, w_scale, bias, x_scale);
     TORCH_CHECK(call.n_out > 0, "no outputs to take the argmax of");
     const int64_t rows = call.rows;
     auto out = torch::empty({rows}, call.x.options().dtype(torch::kLong));
@@ -410,11 +424,13 @@ bool int8_use_amx(bool) { return false; }
 
 #else  // no AVX-512 VNNI: Int8Linear stays on FBGEMM
 
-torch::Tensor int8_linear(torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>) {
+torch::Tensor int8_linear(torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
+                          c10::optional<torch::Tensor>) {
     TORCH_CHECK(false, "the int8 matmul needs AVX-512 F, BW and VNNI");
 }
 
-torch::Tensor int8_linear_argmax(torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>) {
+torch::Tensor int8_linear_argmax(torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
+                                 c10::optional<torch::Tensor>) {
     TORCH_CHECK(false, "the int8 matmul needs AVX-512 F, BW and VNNI");
 }
 
@@ -425,8 +441,11 @@ bool int8_use_amx(bool) { return false; }
 #endif
 
 void register_int8_matmul(pybind11::module& m) {
-    m.def("int8_linear", &int8_linear, kReleaseGil, "x W^T + b, W packed int8 per channel, x int8 per row, AVX-512 VNNI, batch-invariant");
-    m.def("int8_linear_argmax", &int8_linear_argmax, kReleaseGil,
+    m.def("int8_linear", &int8_linear, kReleaseGil, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("w_scale"),
+          pybind11::arg("bias"), pybind11::arg("x_scale") = pybind11::none(),
+          "x W^T + b, W packed int8 per channel, x (times x_scale) int8 per row, AVX-512 VNNI, batch-invariant");
+    m.def("int8_linear_argmax", &int8_linear_argmax, kReleaseGil, pybind11::arg("x"), pybind11::arg("packed"),
+          pybind11::arg("w_scale"), pybind11::arg("bias"), pybind11::arg("x_scale") = pybind11::none(),
           "argmax over the outputs of int8_linear, row by row, without writing them (a greedy LM head)");
     m.def("has_int8_linear", &has_int8_linear, "whether int8_linear was built for this CPU");
     m.def("has_int8_amx", &has_int8_amx, "whether int8_linear runs calls of several rows on AMX tiles here");

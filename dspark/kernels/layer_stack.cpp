@@ -9,10 +9,12 @@
 
 #include "release_gil.h"
 
+#include <tuple>
 #include <vector>
 
 // The kernels a layer runs (cpu_kernels.cpp, int8_matmul.cpp).
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, c10::optional<torch::Tensor> bias);
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, c10::optional<torch::Tensor> bias,
+                          c10::optional<torch::Tensor> x_scale);
 torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps,
                            bool bf16_out);
 torch::Tensor rope_cache_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor signed_sin,
@@ -25,8 +27,8 @@ namespace {
 
 struct Int8Matmul {
     torch::Tensor packed, scale;
-    c10::optional<torch::Tensor> bias;
-    torch::Tensor operator()(const torch::Tensor& x) const { return int8_linear(x, packed, scale, bias); }
+    c10::optional<torch::Tensor> bias, x_scale;
+    torch::Tensor operator()(const torch::Tensor& x) const { return int8_linear(x, packed, scale, bias, x_scale); }
 };
 
 struct Layer {
@@ -38,14 +40,12 @@ struct Layer {
 
 class Int8Layers {
 public:
-    void add_layer(torch::Tensor norm1, double eps1, torch::Tensor qkv_packed, torch::Tensor qkv_scale,
-                   c10::optional<torch::Tensor> qkv_bias, torch::Tensor o_packed, torch::Tensor o_scale,
-                   c10::optional<torch::Tensor> o_bias, torch::Tensor norm2, double eps2, torch::Tensor gate_up_packed,
-                   torch::Tensor gate_up_scale, c10::optional<torch::Tensor> gate_up_bias, torch::Tensor down_packed,
-                   torch::Tensor down_scale, c10::optional<torch::Tensor> down_bias, int64_t heads) {
-        layers_.push_back(Layer{norm1, norm2, eps1, eps2, {qkv_packed, qkv_scale, qkv_bias},
-                                {o_packed, o_scale, o_bias}, {gate_up_packed, gate_up_scale, gate_up_bias},
-                                {down_packed, down_scale, down_bias}, heads});
+    // Each matmul as (packed, w_scale, bias, x_scale), Int8Linear's kernel arguments.
+    using Matmul = std::tuple<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>;
+
+    void add_layer(torch::Tensor norm1, double eps1, const Matmul& qkv, const Matmul& o, torch::Tensor norm2,
+                   double eps2, const Matmul& gate_up, const Matmul& down, int64_t heads) {
+        layers_.push_back(Layer{norm1, norm2, eps1, eps2, matmul(qkv), matmul(o), matmul(gate_up), matmul(down), heads});
     }
 
     int64_t size() const { return static_cast<int64_t>(layers_.size()); }
@@ -79,6 +79,10 @@ public:
     }
 
 private:
+    static Int8Matmul matmul(const Matmul& m) {
+        return Int8Matmul{std::get<0>(m), std::get<1>(m), std::get<2>(m), std::get<3>(m)};
+    }
+
     std::vector<Layer> layers_;
 };
 

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from dspark.models.config import ModelConfig
-from dspark.models.precision import GgufBlocks
+from dspark.models.int8_smoothing import cached_input_ranges, calibration_sequences
+from dspark.models.precision import GgufBlocks, module_precision
 from dspark.models.tokenizer import Tokenizer
 from dspark.models.transformer import Transformer
 
@@ -47,9 +48,10 @@ def resolve_model_path(name_or_path: str) -> Path:
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype=torch.float32, device="cpu",
-               precision: str = "fp32") -> LoadedModel:
+               precision: str = "fp32", int8_smoothing: bool = True) -> LoadedModel:
     """precision: the kernels the matmuls run on (dspark.models.precision: auto, fp32, gguf, bf16, int8);
-    fp32 keeps the plain modules (training, parity checks)."""
+    fp32 keeps the plain modules (training, parity checks). int8_smoothing: int8 with SmoothQuant's
+    scales (dspark/models/int8_smoothing.py; False only to measure what they change)."""
     path = resolve_model_path(name_or_path)
     if path.suffix == ".gguf":
         model, tok = _load_gguf(path, dtype)
@@ -57,7 +59,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype=torch.float32, device="c
         model, tok = _load_hf_dir(path, dtype)
     model.to(device).eval()
     if precision != "fp32":
-        model.set_precision(precision)
+        ranges = None
+        if int8_smoothing and module_precision(model, precision) == "int8":  # SmoothQuant's ranges, measured once
+            ranges = cached_input_ranges(model, calibration_sequences(tok), path)
+        model.set_precision(precision, ranges)
     name = DEFAULT_MODEL if name_or_path in (DEFAULT_MODEL, "default") else path.stem if path.is_file() else path.name
     return LoadedModel(model, tok, name)
 

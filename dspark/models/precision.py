@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from dspark.models.int8_smoothing import smoothing_scale
+
 PRECISIONS = ("auto", "fp32", "gguf", "gguf-q8", "bf16", "int8")
 GGUF_PRECISIONS = ("gguf", "gguf-q8")  # the two that multiply by a GGUF's own blocks
 log = logging.getLogger(__name__)
@@ -169,9 +171,15 @@ class Int8Linear(nn.Module):
     saturate.
     """
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, input_max: torch.Tensor | None = None):
+        """input_max: max |x| [in] of the inputs seen in calibration (int8_smoothing.py): the inputs are
+        then quantized as x / s and the weights as W * s, SmoothQuant's s. None: no smoothing."""
         super().__init__()
         w = linear.weight.detach().float()
+        self.x_scale = None  # 1 / s, multiplied into each input before it is quantized
+        if input_max is not None:
+            smooth = smoothing_scale(input_max, w)
+            w, self.x_scale = w * smooth, (1 / smooth).contiguous()
         scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
         self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -192,8 +200,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.kernel is not None:
-            y = self.kernel(flat, self.weight_blocks, self.w_scale, self.bias)
+            y = self.kernel(flat, self.weight_blocks, self.w_scale, self.bias, self.x_scale)
         else:
+            if self.x_scale is not None:
+                flat = flat * self.x_scale
             # Few ops on purpose: at one row each costs as much as the matmul's own overhead. max |x| as
             # abs().amax(): the same value as vector_norm(x, inf), which took 17-23x as long here (AVX-512
             # EPYC: 99 vs 5.7 us at 56 x 576, 254 vs 11 us at 56 x 1536).
@@ -209,7 +219,7 @@ class Int8Linear(nn.Module):
         if self.kernel is None:
             return self(x).argmax(dim=-1)
         x = x.float()
-        tokens = _int8_argmax_kernel()(x, self.weight_blocks, self.w_scale, self.bias)
+        tokens = _int8_argmax_kernel()(x, self.weight_blocks, self.w_scale, self.bias, self.x_scale)
         nan = tokens < 0  # a row with a NaN output: torch's argmax of its outputs decides
         if bool(nan.any()):
             tokens[nan] = self(x[nan]).argmax(dim=-1)
@@ -320,7 +330,8 @@ def _quant_engine(name: str):
         torch.backends.quantized.engine = old
 
 
-def convert_linear(linear: nn.Linear, precision: str) -> nn.Module:
+def convert_linear(linear: nn.Linear, precision: str, input_max: torch.Tensor | None = None) -> nn.Module:
+    """input_max: the linear's calibrated input ranges (int8 only: SmoothQuant scales)."""
     if precision == "fp32":
         return linear
     if linear.weight.is_cuda:
@@ -331,21 +342,32 @@ def convert_linear(linear: nn.Linear, precision: str) -> nn.Module:
         has_blocks = getattr(linear, "gguf_blocks", None) is not None
         return GgufLinear(linear, q8_activations=precision == "gguf-q8") if has_blocks else linear
     if precision == "int8":
-        return Int8Linear(linear)
+        return Int8Linear(linear, input_max)
     if precision == "bf16":
         return Bf16Linear(linear)
     raise ValueError(f"no kernel for precision {precision!r}")
 
 
-def apply_precision(module: nn.Module, precision: str) -> str:
-    """Fuse what a module offers to fuse (`fuse_projections`), then put every nn.Linear on the
-    precision's kernels, in place. Returns the concrete precision (for the module's device).
-    Inference only: no gradients."""
-    weights = next(module.parameters(), None)
-    precision = resolve_precision(precision, weights.device if weights is not None else "cpu")
+def fuse_projections(module: nn.Module) -> None:
+    """Fuse what the module's parts offer to fuse (`fuse_projections`: q|k|v, gate|up), in place."""
     for sub in list(module.modules()):
         if hasattr(sub, "fuse_projections"):
             sub.fuse_projections()
+
+
+def module_precision(module: nn.Module, precision: str) -> str:
+    """The concrete precision `precision` means for this module's device."""
+    weights = next(module.parameters(), None)
+    return resolve_precision(precision, weights.device if weights is not None else "cpu")
+
+
+def apply_precision(module: nn.Module, precision: str, input_ranges: dict | None = None) -> str:
+    """Fuse what a module offers to fuse, then put every nn.Linear on the precision's kernels, in
+    place. Returns the concrete precision (for the module's device). input_ranges: {linear's name in
+    the module: max |x| [in]} from calibration (int8_smoothing.py), for int8's SmoothQuant scales.
+    Inference only: no gradients."""
+    precision = module_precision(module, precision)
+    fuse_projections(module)
     if precision == "fp32":
         return precision
     if precision in GGUF_PRECISIONS and not getattr(module, "exact_matmuls", True):
@@ -356,10 +378,11 @@ def apply_precision(module: nn.Module, precision: str) -> str:
                 approximate_in_blocks(linear)
     if precision in GGUF_PRECISIONS and not any(getattr(m, "gguf_blocks", None) is not None for m in module.modules()):
         return "fp32"  # nothing stored in blocks: every matmul stays fp32, say so
-    for parent in list(module.modules()):
+    for parent_name, parent in list(module.named_modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, convert_linear(child, precision))
+                ranges = (input_ranges or {}).get(f"{parent_name}.{name}" if parent_name else name)
+                setattr(parent, name, convert_linear(child, precision, ranges))
         if hasattr(parent, "use_precision"):  # matmuls on weights that are not an nn.Linear
             parent.use_precision(precision)
     log.info("matmuls on %s kernels", precision)

@@ -241,8 +241,8 @@ def int8_layer_stack(layers):
         if not all(isinstance(linear, Int8Linear) and linear.kernel is not None for linear in linears):
             return None
         norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-        qkv, o, gate_up, down = ((linear.weight_blocks, linear.w_scale, linear.bias) for linear in linears)
-        stack.add_layer(norm1.weight.detach(), norm1.eps, *qkv, *o, norm2.weight.detach(), norm2.eps, *gate_up, *down,
+        qkv, o, gate_up, down = ((linear.weight_blocks, linear.w_scale, linear.bias, linear.x_scale) for linear in linears)
+        stack.add_layer(norm1.weight.detach(), norm1.eps, qkv, o, norm2.weight.detach(), norm2.eps, gate_up, down,
                         attn.heads)
     return stack
 
@@ -272,11 +272,13 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def set_precision(self, precision: str) -> str:
+    def set_precision(self, precision: str, input_ranges: dict[str, torch.Tensor] | None = None) -> str:
         """Put the matmuls on `precision`'s kernels (dspark.models.precision); returns the concrete one.
-        The LM head's float weight stays reachable as `output_weight` (drafters share it)."""
+        The LM head's float weight stays reachable as `output_weight` (drafters share it).
+        input_ranges: the linears' calibrated input ranges, for int8's SmoothQuant scales
+        (int8_smoothing.py; None: int8 without them)."""
         self._output_weight = self.output_weight
-        self.precision = apply_precision(self, precision)
+        self.precision = apply_precision(self, precision, input_ranges)
         for layer in self.model.layers:
             layer.__dict__.pop("_parts", None)
         # fusing projections happens only here: whether the fused layer path applies is known now
