@@ -9,7 +9,8 @@ multiplies the same blocks by each row of activations rounded to 8-bit blocks of
 1.7x gguf's decoding speed on an AVX2 EPYC, 98% top-1 agreement with fp32). `bf16`
 stores weights in bf16 and runs them on oneDNN prepacked kernels (AMX where the CPU has it).
 `int8` stores weights int8 per output channel with activations quantized per row, so a row's
-result never depends on the other rows of its batch: dspark/kernels/int8_matmul.cpp on AVX-512 VNNI
+result never depends on the other rows of its batch (loaded models first move their activation
+outliers into the weights with SmoothQuant's scales, int8_smoothing.py): dspark/kernels/int8_matmul.cpp on AVX-512 VNNI
 (the weights read once for up to 8 rows; calls of 16 rows and more on AMX tiles where the CPU has
 them, the same integer sums), FBGEMM elsewhere. `auto` picks by what the CPU
 has: int8 on AVX-512 VNNI / AVX-VNNI (AMX hosts included), else gguf-q8 on AVX2 (fp32 where a
