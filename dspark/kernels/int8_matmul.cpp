@@ -66,39 +66,58 @@ struct Int8Rows {
     std::vector<int32_t> offset;
 
     // pad_rows >= rows: rows of zeros after the last (a tile unit reads whole tiles of 16 rows).
+    // Rows are independent: a prefill's are shared out between the threads (the same bits on any number).
     Int8Rows(const float* x, const float* x_scale, int64_t rows, int64_t k_len, int64_t k_pad, int64_t pad_rows = 0)
         : q(std::max(rows, pad_rows) * k_pad, 0), scale(rows), offset(rows) {
-        std::vector<float> scaled(x_scale != nullptr ? k_len : 0);
+        at::parallel_for(0, rows, kQuantizeGrain, [&](int64_t begin, int64_t end) {
+            for (int64_t r = begin; r < end; ++r) {
+                if (x_scale != nullptr) quantize_row<true>(x + r * k_len, x_scale, k_len, k_pad, r);
+                else quantize_row<false>(x + r * k_len, nullptr, k_len, k_pad, r);
+            }
+        });
+    }
+
+private:
+    static constexpr int64_t kQuantizeGrain = 16;  // rows a thread takes at least: fewer are not worth a hand-off
+
+    template <bool Scaled>
+    static inline __m512 input(const float* v, const float* x_scale, int64_t k) {
+        const __m512 value = _mm512_loadu_ps(v + k);
+        if constexpr (Scaled) return _mm512_mul_ps(value, _mm512_loadu_ps(x_scale + k));
+        return value;
+    }
+
+    template <bool Scaled>
+    static inline float input(const float* v, const float* x_scale, int64_t k, int) {
+        if constexpr (Scaled) return v[k] * x_scale[k];
+        return v[k];
+    }
+
+    template <bool Scaled>
+    void quantize_row(const float* v, const float* x_scale, int64_t k_len, int64_t k_pad, int64_t r) {
         const __m512 sign_bit = _mm512_set1_ps(-0.f);
-        for (int64_t r = 0; r < rows; ++r) {
-            const float* v = x + r * k_len;
-            if (x_scale != nullptr) {
-                for (int64_t k = 0; k < k_len; ++k) scaled[k] = v[k] * x_scale[k];
-                v = scaled.data();
-            }
-            __m512 amax = _mm512_setzero_ps();
-            int64_t k = 0;
-            for (; k + 16 <= k_len; k += 16) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign_bit, _mm512_loadu_ps(v + k)));
-            float top = _mm512_reduce_max_ps(amax);
-            for (; k < k_len; ++k) top = std::max(top, std::abs(v[k]));
-            const float inv = top > 0.f ? 127.f / top : 0.f;
-            const __m512 inv16 = _mm512_set1_ps(inv);
-            __m512i sum = _mm512_setzero_si512();
-            int32_t tail_sum = 0;
-            int8_t* out = q.data() + r * k_pad;
-            for (k = 0; k + 16 <= k_len; k += 16) {
-                const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + k), inv16));  // MXCSR: nearest even
-                sum = _mm512_add_epi32(sum, qi);
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtsepi32_epi8(qi));
-            }
-            for (; k < k_len; ++k) {
-                const int32_t qi = static_cast<int32_t>(std::nearbyint(v[k] * inv));
-                out[k] = static_cast<int8_t>(std::min(127, std::max(-127, qi)));
-                tail_sum += out[k];
-            }
-            scale[r] = top / 127.f;
-            offset[r] = 128 * (_mm512_reduce_add_epi32(sum) + tail_sum);
+        __m512 amax = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 16 <= k_len; k += 16) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign_bit, input<Scaled>(v, x_scale, k)));
+        float top = _mm512_reduce_max_ps(amax);
+        for (; k < k_len; ++k) top = std::max(top, std::abs(input<Scaled>(v, x_scale, k, 0)));
+        const float inv = top > 0.f ? 127.f / top : 0.f;
+        const __m512 inv16 = _mm512_set1_ps(inv);
+        __m512i sum = _mm512_setzero_si512();
+        int32_t tail_sum = 0;
+        int8_t* out = q.data() + r * k_pad;
+        for (k = 0; k + 16 <= k_len; k += 16) {
+            const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(input<Scaled>(v, x_scale, k), inv16));  // MXCSR: nearest even
+            sum = _mm512_add_epi32(sum, qi);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtsepi32_epi8(qi));
         }
+        for (; k < k_len; ++k) {
+            const int32_t qi = static_cast<int32_t>(std::nearbyint(input<Scaled>(v, x_scale, k, 0) * inv));
+            out[k] = static_cast<int8_t>(std::min(127, std::max(-127, qi)));
+            tail_sum += out[k];
+        }
+        scale[r] = top / 127.f;
+        offset[r] = 128 * (_mm512_reduce_add_epi32(sum) + tail_sum);
     }
 };
 
