@@ -96,6 +96,9 @@ def test_load_model_puts_every_int8_linear_on_smoothquant_scales(tmp_path, monke
     assert len(linears) == 4 * 4 + 1 and all(m.x_scale is not None for m in linears)
     plain = load_model(str(path), precision="int8", int8_smoothing=False).model
     assert all(m.x_scale is None for m in plain.modules() if isinstance(m, Int8Linear))
+    monkeypatch.setenv("DSPARK_INT8_SMOOTHING", "0")  # the services' switch, for measuring what the scales change
+    plain = load_model(str(path), precision="int8").model
+    assert all(m.x_scale is None for m in plain.modules() if isinstance(m, Int8Linear))
 
 
 def test_the_calibration_text_shares_no_13_gram_with_the_eval_sets():

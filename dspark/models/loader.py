@@ -48,10 +48,13 @@ def resolve_model_path(name_or_path: str) -> Path:
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype=torch.float32, device="cpu",
-               precision: str = "fp32", int8_smoothing: bool = True) -> LoadedModel:
+               precision: str = "fp32", int8_smoothing: bool | None = None) -> LoadedModel:
     """precision: the kernels the matmuls run on (dspark.models.precision: auto, fp32, gguf, bf16, int8);
     fp32 keeps the plain modules (training, parity checks). int8_smoothing: int8 with SmoothQuant's
-    scales (dspark/models/int8_smoothing.py; False only to measure what they change)."""
+    scales (dspark/models/int8_smoothing.py; None: unless DSPARK_INT8_SMOOTHING=0, which is there to
+    measure what they change, services and benchmarks alike)."""
+    if int8_smoothing is None:
+        int8_smoothing = os.environ.get("DSPARK_INT8_SMOOTHING", "1") != "0"
     path = resolve_model_path(name_or_path)
     if path.suffix == ".gguf":
         model, tok = _load_gguf(path, dtype)
