@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
+
+from dspark.models.disk_cache import cached_tensors
 
 ALPHA = 0.5
 
@@ -68,24 +68,9 @@ def linear_input_ranges(model: nn.Module, sequences: list[list[int]]) -> dict[st
 
 
 def cached_input_ranges(model: nn.Module, sequences: list[list[int]], model_path: Path) -> dict[str, torch.Tensor]:
-    """linear_input_ranges, kept on disk ($DSPARK_CACHE, default ~/.cache/dspark, beside the dequantized
-    GGUF) under the model files' identity (path, sizes, mtimes) and the sequences: measured once."""
+    """linear_input_ranges, kept on disk (disk_cache.py) under the model files' identity (path, sizes,
+    mtimes) and the sequences: measured once."""
     files = sorted(f for f in model_path.iterdir() if f.is_file()) if model_path.is_dir() else [model_path]
     identity = [str(model_path.resolve())] + [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     key = hashlib.sha256(json.dumps([identity, sequences]).encode()).hexdigest()[:24]
-    cache_dir = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
-    cached = cache_dir / f"{model_path.stem}-int8-ranges-{key}.safetensors"
-    if cached.exists():
-        try:
-            return load_file(str(cached))
-        except Exception:  # cut short or unreadable: measure again
-            pass
-    ranges = linear_input_ranges(model, sequences)
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_suffix(f".{os.getpid()}.tmp")  # services starting side by side: whole files only
-        save_file({name: r.contiguous() for name, r in ranges.items()}, str(partial))
-        os.replace(partial, cached)
-    except OSError:
-        pass  # a read-only home only costs the next load time
-    return ranges
+    return cached_tensors(f"{model_path.stem}-int8-ranges-{key}", lambda: linear_input_ranges(model, sequences))

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from dspark.models.config import ModelConfig
+from dspark.models.disk_cache import cached_tensors
 from dspark.models.int8_smoothing import cached_input_ranges, calibration_sequences
 from dspark.models.precision import GgufBlocks, module_precision
 from dspark.models.tokenizer import Tokenizer
@@ -183,23 +184,10 @@ def _state_name(gguf_name: str, arch: str) -> str:
 
 
 def _cached_dequantized(path: Path, reader, arch: str, heads: int, kv_heads: int) -> dict[str, torch.Tensor]:
-    """Dequantizing takes ~15 s on two cores, so the fp32 result is cached next to the user's cache."""
-    from safetensors.torch import save_file
-
+    """Dequantizing takes ~15 s on two cores, so the fp32 result is kept on disk (disk_cache.py)."""
     stat = path.stat()
-    cache_dir = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
-    cached = cache_dir / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}.safetensors"
-    if cached.exists():
-        return load_file(str(cached))
-    state = _dequantize(reader, arch, heads, kv_heads)
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(".tmp")
-        save_file(state, str(tmp))
-        tmp.rename(cached)
-    except OSError:
-        pass  # a read-only home only costs the next load time
-    return state
+    return cached_tensors(f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}",
+                          lambda: _dequantize(reader, arch, heads, kv_heads))
 
 
 def _dequantize(reader, arch: str, heads: int, kv_heads: int) -> dict[str, torch.Tensor]:
