@@ -80,15 +80,16 @@ struct Int8Rows {
 private:
     static constexpr int64_t kQuantizeGrain = 16;  // rows a thread takes at least: fewer are not worth a hand-off
 
+    // Inputs k..k+15 (input16) or k alone (input1) as quantized: times x_scale when there is one.
     template <bool Scaled>
-    static inline __m512 input(const float* v, const float* x_scale, int64_t k) {
+    static inline __m512 input16(const float* v, const float* x_scale, int64_t k) {
         const __m512 value = _mm512_loadu_ps(v + k);
         if constexpr (Scaled) return _mm512_mul_ps(value, _mm512_loadu_ps(x_scale + k));
         return value;
     }
 
     template <bool Scaled>
-    static inline float input(const float* v, const float* x_scale, int64_t k, int) {
+    static inline float input1(const float* v, const float* x_scale, int64_t k) {
         if constexpr (Scaled) return v[k] * x_scale[k];
         return v[k];
     }
@@ -98,21 +99,21 @@ private:
         const __m512 sign_bit = _mm512_set1_ps(-0.f);
         __m512 amax = _mm512_setzero_ps();
         int64_t k = 0;
-        for (; k + 16 <= k_len; k += 16) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign_bit, input<Scaled>(v, x_scale, k)));
+        for (; k + 16 <= k_len; k += 16) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign_bit, input16<Scaled>(v, x_scale, k)));
         float top = _mm512_reduce_max_ps(amax);
-        for (; k < k_len; ++k) top = std::max(top, std::abs(input<Scaled>(v, x_scale, k, 0)));
+        for (; k < k_len; ++k) top = std::max(top, std::abs(input1<Scaled>(v, x_scale, k)));
         const float inv = top > 0.f ? 127.f / top : 0.f;
         const __m512 inv16 = _mm512_set1_ps(inv);
         __m512i sum = _mm512_setzero_si512();
         int32_t tail_sum = 0;
         int8_t* out = q.data() + r * k_pad;
         for (k = 0; k + 16 <= k_len; k += 16) {
-            const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(input<Scaled>(v, x_scale, k), inv16));  // MXCSR: nearest even
+            const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(input16<Scaled>(v, x_scale, k), inv16));  // MXCSR: nearest even
             sum = _mm512_add_epi32(sum, qi);
             _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtsepi32_epi8(qi));
         }
         for (; k < k_len; ++k) {
-            const int32_t qi = static_cast<int32_t>(std::nearbyint(input<Scaled>(v, x_scale, k, 0) * inv));
+            const int32_t qi = static_cast<int32_t>(std::nearbyint(input1<Scaled>(v, x_scale, k) * inv));
             out[k] = static_cast<int8_t>(std::min(127, std::max(-127, qi)));
             tail_sum += out[k];
         }
