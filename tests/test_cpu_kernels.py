@@ -47,6 +47,20 @@ def test_cached_attention_matches_sdpa_and_ignores_the_rest_of_the_batch(dtype, 
     assert torch.equal(out, alone)
 
 
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (16, 4, 1)])
+def test_a_bf16_cache_gives_the_bits_of_an_fp32_cache_holding_the_same_values(head_dim, heads, kv_heads):
+    """bf16 keys and values are widened to fp32 exactly (once per 16 keys for every head that reads
+    them), so the cache's dtype changes only what it can hold, never the arithmetic after it."""
+    g = torch.Generator().manual_seed(2)
+    kc = torch.randn(2, kv_heads, 120, head_dim, generator=g).bfloat16()
+    vc = torch.randn(2, kv_heads, 120, head_dim, generator=g).bfloat16()
+    slots = torch.tensor([1] * 12 + [0])
+    positions = torch.tensor([90 + i for i in range(12)] + [33])
+    q = torch.randn(len(slots), heads, head_dim, generator=g)
+    assert torch.equal(ops.cached_attention(q, kc, vc, slots, positions),
+                       ops.cached_attention(q, kc.float(), vc.float(), slots, positions))
+
+
 def test_rope_cache_attention_is_rope_then_cache_write_then_attention():
     heads, kv_heads, hd = 9, 3, 64
     g = torch.Generator().manual_seed(1)
@@ -83,6 +97,28 @@ def test_norms_and_swiglu_match_torch():
     gate_up = torch.randn(6, 2 * 96, generator=g) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up, False), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_norm_and_swiglu_rows_of_a_large_call_get_the_bits_they_get_alone(threads):
+    """Calls of many rows (a prefill, a full batch) are shared out between the threads; each row
+    still gets exactly the bits of a call of its own, on any thread count."""
+    g = torch.Generator().manual_seed(3)
+    x, delta, w = torch.randn(300, 576, generator=g), torch.randn(300, 576, generator=g), torch.rand(576, generator=g)
+    gate_up = torch.randn(300, 2 * 1536, generator=g) * 4
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        residual = x.clone()
+        normed, swiglu = ops.add_rms_norm(residual, delta, w, 1e-5, False), ops.silu_mul(gate_up, False)
+        torch.set_num_threads(1)
+        for r in (0, 17, 150, 299):
+            alone = x[r:r + 1].clone()
+            assert torch.equal(ops.add_rms_norm(alone, delta[r:r + 1], w, 1e-5, False), normed[r:r + 1])
+            assert torch.equal(alone, residual[r:r + 1])
+            assert torch.equal(ops.silu_mul(gate_up[r:r + 1], False), swiglu[r:r + 1])
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_fused_layers_compute_what_the_layer_modules_do(monkeypatch):
@@ -274,6 +310,24 @@ def test_int8_linear_is_exact_integer_math_and_each_row_the_same_at_any_row_coun
                     assert torch.equal(ops.int8_linear(x[start:start + rows], packed, scale, b), y[start:start + rows])
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_vnni_int8
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_rows_quantized_on_several_threads_get_the_bits_they_get_alone(threads):
+    """A call of more rows than one thread quantizes (a prefill) splits its rows' quantization
+    between the threads: each row's outputs are still those of a call of its own."""
+    w, scale, b, x = int8_case((96, 576), True, 300, seed=4)
+    packed = _pack_for_vnni(w, scale)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        y = ops.int8_linear(x, packed, scale, b)
+        torch.set_num_threads(1)
+        for r in (0, 130, 299):
+            assert torch.equal(ops.int8_linear(x[r:r + 1], packed, scale, b), y[r:r + 1])
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.skipif(ops is None or not ops.has_int8_amx(), reason="no AMX-INT8 here: every int8 call runs on VNNI")

@@ -78,7 +78,7 @@ struct Int8Rows {
     }
 
 private:
-    static constexpr int64_t kQuantizeGrain = 16;  // rows a thread takes at least: fewer are not worth a hand-off
+    static constexpr int64_t kQuantizeGrain = 128;  // rows a thread takes at least: fewer are not worth a hand-off
 
     // Inputs k..k+15 (input16) or k alone (input1) as quantized: times x_scale when there is one.
     template <bool Scaled>
