@@ -21,7 +21,7 @@
 // On CPUs with AMX-INT8, calls of kAmxMinRows rows or more run their integer sums on the tile unit
 // (TDPBSUD: the signed activations times the same unsigned weight blocks, whose [K / 4][16][4] layout
 // is the tile operand as it is): the same exact int32 sums, the same epilogue, so the same bits as the
-// VNNI path, one weight load per 16 or 32 rows instead of per 8, and 16 x 16 x 64 products a
+// VNNI path, one weight load per 16 rows instead of per 8, and 16 x 16 x 64 products a
 // multiply instead of 16 x 4.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -220,43 +220,34 @@ struct alignas(64) TileConfig {
     }
 };
 
-// Tiles: sums 0-3 ([row tile][block]), activations 4-5, weights 6-7. M row tiles x B blocks.
-template <int M, int B>
+// Tiles: sums 0-1 (one a block), activations 4, weights 6-7: 16 rows x B blocks a call. Two row tiles a
+// call (all eight tile registers busy) ran 1.5x slower a row on an AMX Xeon than two calls of one
+// (docs/results.md, session 31): the weights' second read comes from L1.
+template <int B>
 void amx_tile(const Int8Rows& x, int64_t row0, int64_t rows, int64_t k_pad, const uint8_t* w, int64_t block_bytes,
               const float* w_scale, const float* bias, float* y, int64_t n_out, int valid) {
     _tile_zero(0);
     if (B > 1) _tile_zero(1);
-    if (M > 1) _tile_zero(2);
-    if (M > 1 && B > 1) _tile_zero(3);
     const int8_t* xq = x.q.data() + row0 * k_pad;
     for (int64_t k = 0; k < k_pad; k += kAmxDepth) {
         _tile_loadd(4, xq + k, k_pad);
-        if (M > 1) _tile_loadd(5, xq + kAmxRows * k_pad + k, k_pad);
         _tile_loadd(6, w + k * kOut, 64);
         if (B > 1) _tile_loadd(7, w + block_bytes + k * kOut, 64);
         _tile_dpbsud(0, 4, 6);
         if (B > 1) _tile_dpbsud(1, 4, 7);
-        if (M > 1) _tile_dpbsud(2, 5, 6);
-        if (M > 1 && B > 1) _tile_dpbsud(3, 5, 7);
     }
-    alignas(64) int32_t sums[M][B][kAmxRows][kOut];
-    _tile_stored(0, sums[0][0], 64);
-    if (B > 1) _tile_stored(1, sums[0][B - 1], 64);
-    if (M > 1) _tile_stored(2, sums[M - 1][0], 64);
-    if (M > 1 && B > 1) _tile_stored(3, sums[M - 1][B - 1], 64);
-    for (int64_t r = 0; r < std::min<int64_t>(rows, M * kAmxRows); ++r)
+    alignas(64) int32_t sums[B][kAmxRows][kOut];
+    _tile_stored(0, sums[0], 64);
+    if (B > 1) _tile_stored(1, sums[B - 1], 64);
+    for (int64_t r = 0; r < std::min<int64_t>(rows, kAmxRows); ++r)
         for (int b = 0; b < B; ++b)
-            epilogue(x, row0 + r, b, B, valid, _mm512_load_si512(sums[r / kAmxRows][b][r % kAmxRows]), w_scale, bias,
-                     y + (row0 + r) * n_out);
+            epilogue(x, row0 + r, b, B, valid, _mm512_load_si512(sums[b][r]), w_scale, bias, y + (row0 + r) * n_out);
 }
 
 template <int B>
 void amx_rows(const Int8Rows& x, int64_t rows, int64_t k_pad, const uint8_t* w, int64_t block_bytes,
               const float* w_scale, const float* bias, float* y, int64_t n_out, int valid) {
-    for (int64_t r = 0; r < rows; r += 2 * kAmxRows) {
-        if (rows - r > kAmxRows) amx_tile<2, B>(x, r, rows - r, k_pad, w, block_bytes, w_scale, bias, y, n_out, valid);
-        else amx_tile<1, B>(x, r, rows - r, k_pad, w, block_bytes, w_scale, bias, y, n_out, valid);
-    }
+    for (int64_t r = 0; r < rows; r += kAmxRows) amx_tile<B>(x, r, rows - r, k_pad, w, block_bytes, w_scale, bias, y, n_out, valid);
 }
 #endif
 
@@ -308,7 +299,7 @@ struct Int8Call {
     Int8Rows quantized() const {
         int64_t pad = 0;
 #ifdef DSPARK_AMX
-        if (amx) pad = (rows + 2 * kAmxRows - 1) / (2 * kAmxRows) * (2 * kAmxRows);  // amx_rows reads up to 32
+        if (amx) pad = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;  // amx_tile reads whole 16-row tiles
 #endif
         return Int8Rows(x.data_ptr<float>(), x_scale, rows, k_len, k_pad, pad);
     }
