@@ -334,10 +334,10 @@ def test_int8_rows_quantized_on_several_threads_get_the_bits_they_get_alone(thre
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(37, 64), (96, 576), (48, 1536)])  # inputs in whole tiles of 64; ragged outputs
 def test_int8_linear_on_amx_tiles_gives_the_vnni_bits(shape, bias):
-    """Calls of 16 rows and more take the tile unit: its integer sums are exact as VNNI's and the
+    """Calls of 8 rows and more take the tile unit: its integer sums are exact as VNNI's and the
     epilogue is shared, so every row gets the bits of the VNNI path and of itself alone, at every row
-    count across the switch (15/16 rows, a second tile at 17 and 33, a ragged last tile), on one thread
-    and on two; the argmax of the LM head follows."""
+    count across the switch (7/8 rows, a padded tile, a second tile at 17 and 33, a ragged last tile),
+    on one thread and on two; the argmax of the LM head follows."""
     w, scale, b, x = int8_case(shape, bias, 70, seed=4)
     packed = _pack_for_vnni(w, scale)
     alone = torch.cat([ops.int8_linear(x[i:i + 1], packed, scale, b) for i in range(len(x))])  # 1 row: VNNI
@@ -346,7 +346,7 @@ def test_int8_linear_on_amx_tiles_gives_the_vnni_bits(shape, bias):
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            for rows in (15, 16, 17, 31, 32, 33, 48, 70):
+            for rows in (7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 70):
                 for amx in (True, False):
                     ops.int8_use_amx(amx)
                     assert torch.equal(ops.int8_linear(x[:rows], packed, scale, b), alone[:rows]), (rows, amx)

@@ -196,7 +196,10 @@ void rows_of_tile(const Int8Rows& x, int64_t rows, int64_t k_len, const uint8_t*
 #ifdef DSPARK_AMX
 constexpr int64_t kAmxRows = 16;     // rows of a tile (activations, sums)
 constexpr int64_t kAmxDepth = 64;    // input bytes a tile multiply takes
-constexpr int64_t kAmxMinRows = 16;  // fewer rows stay on VNNI (measured: see docs/results.md, session 29)
+constexpr int64_t kAmxMinRows = 8;  // fewer rows stay on VNNI (measured: see docs/results.md, sessions 29 and 31)
+// Weights streamed from memory: each block's next 4 KB requested while the tiles multiply (without it
+// the tiles lost to VNNI below ~12 rows; docs/results.md, session 31).
+constexpr int64_t kAmxPrefetch = 4 * kAmxDepth;
 
 std::atomic<bool> amx_allowed{true};  // int8_use_amx(False): every call on VNNI (tests, benchmarks)
 
@@ -230,6 +233,10 @@ void amx_tile(const Int8Rows& x, int64_t row0, int64_t rows, int64_t k_pad, cons
     if (B > 1) _tile_zero(1);
     const int8_t* xq = x.q.data() + row0 * k_pad;
     for (int64_t k = 0; k < k_pad; k += kAmxDepth) {
+        if (k + kAmxPrefetch < k_pad)
+            for (int b = 0; b < B; ++b)
+                for (int64_t line = 0; line < kAmxDepth * kOut; line += 64)
+                    _mm_prefetch(reinterpret_cast<const char*>(w + b * block_bytes + (k + kAmxPrefetch) * kOut + line), _MM_HINT_T0);
         _tile_loadd(4, xq + k, k_pad);
         _tile_loadd(6, w + k * kOut, 64);
         if (B > 1) _tile_loadd(7, w + block_bytes + k * kOut, 64);

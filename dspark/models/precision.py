@@ -11,7 +11,7 @@ stores weights in bf16 and runs them on oneDNN prepacked kernels (AMX where the 
 `int8` stores weights int8 per output channel with activations quantized per row, so a row's
 result never depends on the other rows of its batch (loaded models first move their activation
 outliers into the weights with SmoothQuant's scales, int8_smoothing.py): dspark/kernels/int8_matmul.cpp on AVX-512 VNNI
-(the weights read once for up to 8 rows; calls of 16 rows and more on AMX tiles where the CPU has
+(the weights read once for up to 8 rows; calls of 8 rows and more on AMX tiles where the CPU has
 them, the same integer sums), FBGEMM elsewhere. `auto` picks by what the CPU
 has: int8 on AVX-512 VNNI / AVX-VNNI (AMX hosts included), else gguf-q8 on AVX2 (fp32 where a
 module has no GGUF blocks), else fp32
