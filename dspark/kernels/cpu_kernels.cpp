@@ -609,7 +609,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up, bool bf16_out) {
     gate_up = gate_up.contiguous();
     const int64_t rows = gate_up.size(0), h = gate_up.size(1) / 2;
     auto out = torch::empty({rows, h}, gate_up.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
-    // A row of SmolLM2's MLP is ~0.9 us (its divisions): verified blocks and batches share them out.
+    // A row of SmolLM2's MLP is ~0.9 us (its divisions): calls of more than 16 rows (full batches and their
+    // verified blocks) share them out; below that waking the other thread costs about what it saves.
     at::parallel_for(0, rows, kSiluRowsPerThread, [&](int64_t begin, int64_t end) {
         AT_DISPATCH_SWITCH(gate_up.scalar_type(), "silu_mul",
             AT_DISPATCH_CASE(torch::kFloat32, [&] {

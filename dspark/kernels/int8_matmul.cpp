@@ -236,7 +236,8 @@ void amx_tile(const Int8Rows& x, int64_t row0, int64_t rows, int64_t k_pad, cons
         if (k + kAmxPrefetch < k_pad)
             for (int b = 0; b < B; ++b)
                 for (int64_t line = 0; line < kAmxDepth * kOut; line += 64)
-                    _mm_prefetch(reinterpret_cast<const char*>(w + b * block_bytes + (k + kAmxPrefetch) * kOut + line), _MM_HINT_T0);
+                    _mm_prefetch(reinterpret_cast<const char*>(w + b * block_bytes + (k + kAmxPrefetch) * kOut) + line,
+                                 _MM_HINT_T0);
         _tile_loadd(4, xq + k, k_pad);
         _tile_loadd(6, w + k * kOut, 64);
         if (B > 1) _tile_loadd(7, w + block_bytes + k * kOut, 64);
@@ -254,7 +255,8 @@ void amx_tile(const Int8Rows& x, int64_t row0, int64_t rows, int64_t k_pad, cons
 template <int B>
 void amx_rows(const Int8Rows& x, int64_t rows, int64_t k_pad, const uint8_t* w, int64_t block_bytes,
               const float* w_scale, const float* bias, float* y, int64_t n_out, int valid) {
-    for (int64_t r = 0; r < rows; r += kAmxRows) amx_tile<B>(x, r, rows - r, k_pad, w, block_bytes, w_scale, bias, y, n_out, valid);
+    for (int64_t r = 0; r < rows; r += kAmxRows)
+        amx_tile<B>(x, r, rows - r, k_pad, w, block_bytes, w_scale, bias, y, n_out, valid);
 }
 #endif
 
