@@ -2,6 +2,8 @@
 the module path; and the errors a bad call gets."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,17 @@ from tests.spec_helpers import tiny_target
 
 ops = kernels()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler: the CPU kernels could not be built")
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch on n threads inside the block, the process's count again after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def reference_attention(q, kc, vc, slots, positions):
@@ -106,19 +119,15 @@ def test_norm_and_swiglu_rows_of_a_large_call_get_the_bits_they_get_alone(thread
     g = torch.Generator().manual_seed(3)
     x, delta, w = torch.randn(300, 576, generator=g), torch.randn(300, 576, generator=g), torch.rand(576, generator=g)
     gate_up = torch.randn(300, 2 * 1536, generator=g) * 4
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        residual = x.clone()
+    residual = x.clone()
+    with torch_threads(threads):
         normed, swiglu = ops.add_rms_norm(residual, delta, w, 1e-5, False), ops.silu_mul(gate_up, False)
-        torch.set_num_threads(1)
+    with torch_threads(1):
         for r in (0, 17, 150, 299):
             alone = x[r:r + 1].clone()
             assert torch.equal(ops.add_rms_norm(alone, delta[r:r + 1], w, 1e-5, False), normed[r:r + 1])
             assert torch.equal(alone, residual[r:r + 1])
             assert torch.equal(ops.silu_mul(gate_up[r:r + 1], False), swiglu[r:r + 1])
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_fused_layers_compute_what_the_layer_modules_do(monkeypatch):
@@ -301,15 +310,11 @@ def test_int8_linear_is_exact_integer_math_and_each_row_the_same_at_any_row_coun
     torch.testing.assert_close(y.double(), int8_reference(x, w, scale, b), rtol=1e-5, atol=1e-4)
     exact = x @ w.T + (0 if b is None else b)
     assert ((y - exact).norm() / exact.norm()) < 0.02
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
+    for n in (1, 2):
+        with torch_threads(n):
             for rows in range(1, 20):
                 for start in (0, 19 - rows):
                     assert torch.equal(ops.int8_linear(x[start:start + rows], packed, scale, b), y[start:start + rows])
-    finally:
-        torch.set_num_threads(threads)
 
 
 @needs_vnni_int8
@@ -319,15 +324,11 @@ def test_int8_rows_quantized_on_several_threads_get_the_bits_they_get_alone(thre
     between the threads: each row's outputs are still those of a call of its own."""
     w, scale, b, x = int8_case((96, 576), True, 300, seed=4)
     packed = _pack_for_vnni(w, scale)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         y = ops.int8_linear(x, packed, scale, b)
-        torch.set_num_threads(1)
+    with torch_threads(1):
         for r in (0, 130, 299):
             assert torch.equal(ops.int8_linear(x[r:r + 1], packed, scale, b), y[r:r + 1])
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.skipif(ops is None or not ops.has_int8_amx(), reason="no AMX-INT8 here: every int8 call runs on VNNI")
@@ -370,17 +371,13 @@ def test_int8_linear_argmax_is_torch_argmax_of_its_outputs(out_features):
     packed = _pack_for_vnni(w, scale)
     x = torch.cat([torch.randn(11, 64, generator=g), 5 * w[-1:].expand(3, 64)])  # the last rows: the tie wins
     bias = torch.randn(out_features, generator=g)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
+    for n in (1, 2):
+        with torch_threads(n):
             for b in (None, bias):
                 expected = ops.int8_linear(x, packed, scale, b).argmax(-1)
                 assert torch.equal(ops.int8_linear_argmax(x, packed, scale, b), expected)
                 if b is None:  # equal rows, equal outputs: the first copy is the argmax
                     assert expected[-1] == out_features // 3
-    finally:
-        torch.set_num_threads(threads)
     assert ops.int8_linear_argmax(x, packed, scale, torch.full((out_features,), float("-inf"))).tolist() == [0] * 14
     nan_bias = bias.clone()
     nan_bias[out_features // 2 + 1] = float("nan")
