@@ -169,10 +169,10 @@ def test_budget_control_splits_step_time_into_target_pass_and_drafting():
     control = BudgetControl()
     control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1"), default_draft_len=2)
     first = StepReport(batch_size=2, batch_tokens=6, seconds=0.9, draft_seconds=0.6, drafted=True,
-                       verified=[2, 2], accepted=[1, 0])
+                       req_ids=["a", "b"], verified=[2, 2], accepted=[1, 0])
     control.on_step(first)  # the first draft after skipped steps: not what drafting on costs
     control.on_step(StepReport(batch_size=2, batch_tokens=6, seconds=0.5, draft_seconds=0.2, drafted=True,
-                               verified=[2, 2], accepted=[1, 0]))
+                               req_ids=["a", "b"], verified=[2, 2], accepted=[1, 0], draft_context_rows=5))
     control.on_step(StepReport(batch_size=3, batch_tokens=3, seconds=0.25, draft_seconds=0.01, drafted=False,
                                verified=[], accepted=[]))
     assert control.sps.items() == [(3, 0.25), (6, pytest.approx(0.3))]  # the skipped step's 0.01 s is not drafting
@@ -186,10 +186,16 @@ def test_budget_control_splits_step_time_into_target_pass_and_drafting():
     assert control.draft_cost.items() == [(2, 0.2)]
     # A draft that first took in the 90 positions of two prompts is catch-up, not what a step costs.
     control.on_step(StepReport(batch_size=2, batch_tokens=6, seconds=1.5, draft_seconds=1.2, drafted=True,
-                               verified=[2, 2], accepted=[1, 0], draft_context_rows=90))
+                               req_ids=["a", "b"], verified=[2, 2], accepted=[1, 0], draft_context_rows=90))
     assert control.draft_cost.items() == [(2, 0.2)]
+    # Prompt lookup filled every row (none in the report): the drafter's model did not run, 0.01 s is
+    # no draft's cost. Lookup filled one of two rows: the drafter drafted one, which is what it costs.
+    control.on_step(StepReport(batch_size=2, batch_tokens=12, seconds=0.4, draft_seconds=0.01, drafted=True))
+    control.on_step(StepReport(batch_size=2, batch_tokens=9, seconds=0.4, draft_seconds=0.15, drafted=True,
+                               req_ids=["b"], verified=[2], accepted=[1], draft_context_rows=3))
+    assert control.draft_cost.items() == [(1, 0.15), (2, 0.2)]
     load = control.fill_load(load_pb2.VerifierLoad())
-    assert [(p.requests, p.seconds) for p in load.draft_cost] == [(2, pytest.approx(0.2))]
+    assert [(p.requests, p.seconds) for p in load.draft_cost] == [(1, pytest.approx(0.15)), (2, pytest.approx(0.2))]
     # The scheduler's --min-draft-gain holds prompt lookup's free blocks too; 0 (not sent) keeps it.
     assert control.policy.free_min_gain == 1.0
     control.apply(decision(0, min_draft_gain=1.3))
@@ -262,6 +268,25 @@ def test_an_in_process_policy_probes_after_probe_every_skipped_steps():
     source.push(0)
     probes = [i + 1 for i in range(60) if policy.should_draft(3)]
     assert probes == [4, 12, 28, 44, 60]  # after 4 skipped steps, then 8, then 16 (4 x 4) at most
+
+
+def test_a_missed_probe_is_made_again_at_once_and_keeps_the_gaps():
+    """A probe that brought no confidences (prompt lookup answered every request) is made again the
+    next step; the probes after it keep the gaps they would have had."""
+    from dspark.sched.budget_source import ScheduledBudget
+    from dspark.speculative.policy import ConfidencePolicy
+
+    source = ScheduledBudget(default_draft_len=2, ttl_steps=1000, ttl_s=1e9)
+    policy = ConfidencePolicy(source, probe_every=4)
+    source.push(0)
+    probes = []
+    for step in range(1, 41):
+        if policy.should_draft(3):
+            probes.append(step)
+            if step in (4, 5):
+                policy.probe_missed()
+                assert not policy.probing
+    assert probes == [4, 5, 6, 14, 30]
 
 
 def test_shipped_temperatures_until_the_online_fit(tmp_path):

@@ -192,6 +192,7 @@ def test_while_the_drafter_is_skipped_lookup_blocks_are_verified_where_they_pay(
     assert [s.output for s in seqs] == greedy_reference(target, prompts, 30)
     assert sum(s.spec.metrics.draft_tokens for s in seqs) > 0 and sum(s.spec.metrics.accepted_tokens for s in seqs) > 0
     assert not calls
+    assert policy.free_gain and min(policy.free_gain.values()) > 1  # the free steps measured against plain ones
     # Steep step times (each verified token doubles a step): no guess is worth verifying.
     steep = ConfidencePolicy(TwoStepBudget(lambda b: 100.0 / 2.0 ** (b - 1), default_draft_len=0), probe_every=1000)
     engine = SpecEngine(target, LookupDrafter(random_drafter(target, "dspark")), steep, max_batch=4, max_len=256)
@@ -370,6 +371,33 @@ def test_free_lookups_are_skipped_where_guesses_like_the_recent_ones_cannot_pay(
     assert not policy.free_may_pay(1)
 
 
+def test_lookups_stop_where_free_steps_measured_slower_than_plain_ones():
+    """The step-time model can promise what steps do not deliver (a jagged or only profiled table):
+    where free steps gave fewer tokens a second than plain steps of that batch size give, nothing is
+    looked up but for the periodic look, whatever the model says; other batch sizes keep their own
+    measure."""
+    import numpy as np
+
+    from dspark.sched.budget_source import ScheduledBudget
+    from dspark.speculative.policy import ConfidencePolicy, batch_bucket
+
+    target = tiny_target()
+    block = LookupDrafter(random_drafter(target, "dspark", gamma=4)).free_draft(["a"], [[3, 4, 3, 4, 3]])
+    policy = ConfidencePolicy(ScheduledBudget(3), free_sps=lambda b: 1.0 / np.maximum(2.0, np.asarray(b, float)),
+                              probe_every=4)
+    assert policy.free_may_pay(1)
+    policy.free_lengths(block, [4])
+    policy.observe_free_step(1, 3, 4.0)  # 3 tokens in 4 time units where a plain step gives 1 in 2
+    assert policy.free_gain == {1: 1.5} and policy.free_may_pay(1)
+    for _ in range(10):
+        policy.observe_free_step(1, 1, 3.0)  # nothing accepted, and the step took longer than a plain one
+    assert policy.free_gain[1] < 1
+    assert [policy.free_may_pay(1) for _ in range(5)] == [False, False, False, False, True]  # and the look
+    policy.observe_free_step(3, 6, 2.0)  # three requests (a plain step 3 units): a bucket of their own
+    assert batch_bucket(2) == batch_bucket(3) != batch_bucket(1) and policy.free_gain[batch_bucket(3)] == 3.0
+    assert policy.free_gain[1] < 1
+
+
 def test_a_policy_that_never_verifies_free_blocks_never_looks_them_up():
     target = tiny_target()
     drafter = LookupDrafter(random_drafter(target, "dspark"))
@@ -381,3 +409,40 @@ def test_a_policy_that_never_verifies_free_blocks_never_looks_them_up():
     seqs = engine.generate(prompts, [SamplingParams(max_tokens=20)] * 2)
     assert [s.output for s in seqs] == greedy_reference(target, prompts, 20)
     assert not calls
+
+
+def test_a_probe_that_lookup_answers_alone_is_made_again_the_next_step():
+    """While the budget is 0 a probe is there for the drafter's confidences. Where prompt lookup guesses
+    for every request the drafter is not asked and the probe brings none, so the next step probes again
+    (one request, lookup guessing on two steps in three: the budget stayed 0 for 300-400 steps
+    between useful probes). Output unchanged."""
+    from dspark.sched.budget_source import ScheduledBudget
+    from dspark.speculative.policy import ConfidencePolicy
+
+    target = tiny_target()
+    drafter = LookupDrafter(random_drafter(target, "dspark"))
+    source = ScheduledBudget(default_draft_len=3, ttl_steps=10**6, ttl_s=1e9)
+    source.push(0)
+    policy = ConfidencePolicy(source, probe_every=2)
+    probes, step = [], 0  # (step, whether the drafter drafted a row of the block)
+    draft = drafter.draft
+
+    def spy(req_ids, *args, **kwargs):
+        block = draft(req_ids, *args, **kwargs)
+        if policy.probing:
+            probes.append((step, block.calibrated is None or not bool(block.calibrated.all())))
+        return block
+
+    drafter.draft = spy
+    engine = SpecEngine(target, drafter, policy, max_batch=2, max_len=256)
+    prompts = repetitive_prompts(2)
+    seqs = [engine.add(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts, [60, 45])]
+    while engine.has_work():
+        step += 1
+        engine.step()
+    assert [s.output for s in seqs] == greedy_reference(target, prompts, 60)[:1] + greedy_reference(target, prompts[1:], 45)
+    missed = [s for s, asked in probes if not asked]
+    assert missed and any(asked for _, asked in probes)  # both kinds happened
+    probe_steps = {s for s, _ in probes}
+    assert all(s + 1 in probe_steps for s in missed if s + 1 < step)  # the last step drafts nothing: no room
+    assert policy.budget_in_force == 0 and not policy.probing

@@ -199,6 +199,8 @@ class SpecEngine(Engine):
                 self._probe_starts = {s.req_id: len(s.tokens) for s in seqs if s.params.temperature == 0}
                 return None, [0] * len(seqs)  # answered in the background: this step decodes plainly
             block = self.drafter.draft(req_ids, anchors, temperatures, [s.generator for s in seqs])
+            if self.policy.probing and block.calibrated is not None and bool(block.calibrated.all()):
+                self.policy.probe_missed()  # lookup guessed for every request: no confidences of the drafter's
         except DrafterUnavailable:
             return None, [0] * len(seqs)
         lens = list(self.policy.lengths(block, caps))
@@ -301,6 +303,8 @@ class SpecEngine(Engine):
         self.last_report.draft_seconds, self.last_report.drafted = draft_seconds, block is not None and not self._free
         self.last_report.draft_context_rows = self._draft_context_rows
         self.last_report.seconds = time.perf_counter() - t0
+        if self._free and not step.num_admitted:  # a decode step that verified free blocks: what it gave
+            self.policy.observe_free_step(len(step.seqs), sum(len(new) for _, new in events), self.last_report.seconds)
         return events
 
     def _build(self, admitted: list[Sequence], decoding: list[Sequence], block_tokens, lens) -> VerifyStep:
