@@ -40,6 +40,10 @@ SERVICE_CONFIGS = {  # name -> verifier flags (None: no drafter); lookup on unle
     "services scheduler, drafter inside": dict(schedule="on", draft_len=3, drafter="dspark"),
     "services scheduler, drafter inside, no datastore": dict(schedule="on", draft_len=3, drafter="dspark",
                                                              datastore="off"),
+    # The scheduler's own flags ("scheduler" key), for A/B runs of its budget rule: the budget from the
+    # newest 4 reports alone (one block each at one request), as before session 32.
+    "services scheduler, drafter inside, 4 reports pooled": dict(schedule="on", draft_len=3, drafter="dspark",
+                                                                 scheduler=dict(pooled_blocks=0)),
 }
 # DSpark + prompt lookup + the shipped datastore (or not), this process: name -> (k, datastore)
 IN_PROCESS_SPEC = {"in-process k=3": (3, True), "in-process k=7": (7, True), "in-process k=3, no datastore": (3, False)}

@@ -18,7 +18,7 @@ import threading
 from dspark.proto_gen.v1 import generation_pb2_grpc, scheduler_pb2_grpc
 from dspark.serving.config import common_parser, env
 from dspark.serving.server import GrpcApp, setup_logging
-from scheduler_svc.budget_planner import POOLED_REPORTS, BudgetPlanner
+from scheduler_svc.budget_planner import POOLED_BLOCKS, POOLED_REPORTS, BudgetPlanner
 from scheduler_svc.calibration_store import make_calibration_store
 from scheduler_svc.k8s_discovery import make_discovery
 from scheduler_svc.online_calibration import OnlineCalibrator
@@ -64,6 +64,9 @@ def parse_args(argv=None):
                          "0.6-0.8x at 2-4 requests (docs/results.md). One request drafts on any gain.")
     ap.add_argument("--pooled-reports", type=int, env="DSPARK_POOLED_REPORTS", default=POOLED_REPORTS,
                     help="a verifier's budget comes from the mean survival of its newest this many step reports")
+    ap.add_argument("--pooled-blocks", type=int, env="DSPARK_POOLED_BLOCKS", default=POOLED_BLOCKS,
+                    help="... and from more reports while those hold fewer than this many draft blocks (one request's "
+                         "report is one block)")
     args = ap.parse_args(argv)
     if args.pooled_reports < 1:
         raise SystemExit("--pooled-reports must be >= 1")
@@ -100,7 +103,8 @@ async def serve(args) -> None:
     router = Router(registry, args.max_message_mb, args.queue_timeout_s)
     calibrator = OnlineCalibrator(make_calibration_store(store), args.calibration_refit_reports,
                                   args.calibration_refit_s, args.calibration_min_samples)
-    scheduler = SchedulerService(registry, BudgetPlanner(args.min_draft_gain, args.pooled_reports), calibrator,
+    planner = BudgetPlanner(args.min_draft_gain, args.pooled_reports, args.pooled_blocks)
+    scheduler = SchedulerService(registry, planner, calibrator,
                                  address_check=args.verifier_address_check == "on")
     app = GrpcApp("scheduler", args, [
         (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationService(router), "dspark.v1.Generation"),

@@ -126,9 +126,11 @@ def test_budget_planner_uses_the_newest_report_and_the_published_sps():
     assert planner.on_report("v", 1, logits - 5, None, points) == budget  # older report: ignored
     cold = planner.on_report("v", 3, logits, np.full(4, 4.0), points)  # pooled with the report before
     assert cold == budget_from_survival(pooled_survival([warm, calibrated_survival(logits, np.full(4, 4.0))], 3), table)
-    for step in range(4, 8):  # only the last POOLED_REPORTS reports count
+    # Only the newest reports count: POOLED_REPORTS of them, more while they hold fewer than
+    # POOLED_BLOCKS blocks (six of these three-row reports).
+    for step in range(4, 9):
         planner.on_report("v", step, logits - 6, None, points)
-    assert planner.on_report("v", 8, logits - 6, None, points) == 0
+    assert planner.on_report("v", 9, logits - 6, None, points) == 0
     planner.forget("v")
     assert "v" not in planner.budgets
 
@@ -231,7 +233,7 @@ def test_planner_pools_the_survivals_of_its_newest_reports_only():
     points = [[1, 0.010], [4, 0.0105], [8, 0.0167], [16, 0.05]]
     logits = np.array(LOGITS)
     for pooled in (1, 3):
-        planner = BudgetPlanner(pooled_reports=pooled)
+        planner = BudgetPlanner(pooled_reports=pooled, pooled_blocks=0)
         planner.on_report("v", 1, logits - 8, None, points)  # a report that promises nothing
         for step in range(2, 2 + pooled):
             budget = planner.on_report("v", step, logits, None, points)
@@ -241,6 +243,30 @@ def test_planner_pools_the_survivals_of_its_newest_reports_only():
     planner.on_report("v", 1, logits - 8, None, points)
     assert planner.on_report("v", 2, logits, None, points) == budget_from_survival(
         pooled_survival([calibrated_survival(logits - 8), calibrated_survival(logits)], 3), seconds_table(points))
+
+
+def test_one_requests_budget_pools_more_reports_until_they_hold_enough_blocks():
+    """One request's report is one block: the pool keeps its newest reports until they hold
+    pooled_blocks blocks, where four of them made the budget flip from step to step."""
+    points = [[1, 0.010], [4, 0.0105], [8, 0.0167], [16, 0.05]]
+    good, weak = np.array(LOGITS[:1]), np.array(LOGITS[:1]) - 8
+    planner = BudgetPlanner(pooled_reports=4, pooled_blocks=8)
+    for step in range(1, 5):
+        planner.on_report("v", step, good, None, points)
+    for step in range(5, 9):  # four weak blocks after four good ones: still the mean of all eight
+        budget = planner.on_report("v", step, weak, None, points)
+    survivals = [calibrated_survival(good)] * 4 + [calibrated_survival(weak)] * 4
+    assert len(planner._recent["v"]) == 8
+    assert budget == budget_from_survival(pooled_survival(survivals, 1), seconds_table(points)) > 0
+    # Reports of a call come in together and the oldest beyond the pool leave.
+    planner.on_reports("v", [(step, weak) for step in range(9, 13)], None, points)
+    assert len(planner._recent["v"]) == 8 and sum(len(s) for s in planner._recent["v"]) == 8
+    assert planner.on_report("v", 13, weak, None, points) == 0  # eight weak blocks now
+    # Several requests: four reports hold enough blocks.
+    many = BudgetPlanner(pooled_reports=4, pooled_blocks=8)
+    for step in range(1, 7):
+        many.on_report("v", step, np.array(LOGITS), None, points)
+    assert len(many._recent["v"]) == 4
 
 
 def test_planner_takes_a_calls_reports_at_once_as_it_would_one_by_one():
