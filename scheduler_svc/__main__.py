@@ -70,6 +70,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.pooled_reports < 1:
         raise SystemExit("--pooled-reports must be >= 1")
+    if args.pooled_blocks < 0:
+        raise SystemExit("--pooled-blocks must be >= 0")
     if args.min_draft_gain < 1:
         raise SystemExit("--min-draft-gain must be >= 1")
     return args
