@@ -382,13 +382,22 @@ void attend_rows(const Query& q, const T* kc, const T* vc, const int64_t* slots,
     });
 }
 
+// x * cos + rotate_half(x) * sin for one head, the sign of rotate_half folded into signed_sin.
+inline void rope(const float* x, const float* cos, const float* signed_sin, int64_t hd, float* out) {
+    const int64_t half = hd / 2;
+    // Two halves instead of one loop with (d + half) % hd: the same arithmetic, now vectorized.
+    for (int64_t d = 0; d < half; ++d) out[d] = x[d] * cos[d] + x[d + half] * signed_sin[d];
+    for (int64_t d = half; d < hd; ++d) out[d] = x[d] * cos[d] + x[d + half - hd] * signed_sin[d];
+}
+
 // Each new row's rotated k and its v into the row's slot at its position (before any row attends:
 // a block's later rows read the earlier ones' keys).
 template <typename T>
 void write_rows(const float* qkv, const float* cos, const float* signed_sin, T* kc, T* vc, const int64_t* slots,
                 const int64_t* positions, int64_t rows, int64_t heads, int64_t kv_heads, int64_t hd,
                 int64_t max_len) {
-    const int64_t width = (heads + 2 * kv_heads) * hd, half = hd / 2;
+    const int64_t width = (heads + 2 * kv_heads) * hd;
+    std::vector<float> rotated(hd);  // a bf16 cache's key before its rounding
     for (int64_t r = 0; r < rows; ++r) {
         const float* row = qkv + r * width;
         const float* c = cos + r * hd;
@@ -397,8 +406,12 @@ void write_rows(const float* qkv, const float* cos, const float* signed_sin, T* 
             const int64_t at = ((slots[r] * kv_heads + h) * max_len + positions[r]) * hd;
             const float* k = row + (heads + h) * hd;
             const float* v = row + (heads + kv_heads + h) * hd;
-            for (int64_t d = 0; d < half; ++d) kc[at + d] = static_cast<T>(k[d] * c[d] + k[d + half] * sn[d]);
-            for (int64_t d = half; d < hd; ++d) kc[at + d] = static_cast<T>(k[d] * c[d] + k[d + half - hd] * sn[d]);
+            if constexpr (std::is_same_v<T, float>) {
+                rope(k, c, sn, hd, kc + at);
+            } else {
+                rope(k, c, sn, hd, rotated.data());
+                for (int64_t d = 0; d < hd; ++d) kc[at + d] = static_cast<T>(rotated[d]);
+            }
             for (int64_t d = 0; d < hd; ++d) vc[at + d] = static_cast<T>(v[d]);
         }
     }
@@ -468,14 +481,6 @@ torch::Tensor cached_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
         std::memcpy(dst, qp + (r * heads + h) * hd, hd * sizeof(float));
     };
     return attend(query, k_cache, v_cache, slots, causal_key_counts(positions).data(), rows, heads);
-}
-
-// x * cos + rotate_half(x) * sin for one head, the sign of rotate_half folded into signed_sin.
-inline void rope(const float* x, const float* cos, const float* signed_sin, int64_t hd, float* out) {
-    const int64_t half = hd / 2;
-    // Two halves instead of one loop with (d + half) % hd: the same arithmetic, now vectorized.
-    for (int64_t d = 0; d < half; ++d) out[d] = x[d] * cos[d] + x[d + half] * signed_sin[d];
-    for (int64_t d = half; d < hd; ++d) out[d] = x[d] * cos[d] + x[d + half - hd] * signed_sin[d];
 }
 
 // The attention half of a layer after its fused q|k|v projection, in one call: rotate q and k,

@@ -205,18 +205,19 @@ class ConfidencePolicy:
         if self._free_ranked is None or self._free_unlooked >= self.probe_every:
             self._free_unlooked = 0
             return True
-        ranked = self._free_ranked
-        rows = ranked[np.linspace(0, len(ranked) - 1, num_requests).round().astype(np.int64)]
-        try:
-            pays = budget_from_survival(rows, self.free_sps, self.lookup_seconds * num_requests,
-                                        min_gain=self.free_min_gain) > 0
-        except ValueError:  # no step time measured yet: free_lengths would verify nothing
-            pays = False
         # What free steps at batches like this one really gave, over what plain steps give: the model's
         # step times run short where the table is jagged or only profiled (32 requests: verifying 19
         # guesses a step took 36 ms where plain steps took 22, 13% fewer tokens a second, while the
         # table promised a gain). Below 1 no lookup pays, whatever the model says, but for the looks.
-        pays = pays and self.free_gain.get(batch_bucket(num_requests), 1.0) >= 1.0
+        pays = self.free_gain.get(batch_bucket(num_requests), 1.0) >= 1.0
+        if pays:
+            ranked = self._free_ranked
+            rows = ranked[np.linspace(0, len(ranked) - 1, num_requests).round().astype(np.int64)]
+            try:
+                pays = budget_from_survival(rows, self.free_sps, self.lookup_seconds * num_requests,
+                                            min_gain=self.free_min_gain) > 0
+            except ValueError:  # no step time measured yet: free_lengths would verify nothing
+                pays = False
         self._free_unlooked = 0 if pays else self._free_unlooked + 1
         return pays
 
