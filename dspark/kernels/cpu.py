@@ -4,7 +4,8 @@ torch.utils.cpp_extension builds them with the host's compiler and `-march=nativ
 the CPU has it). The build directory is keyed by the source, torch's version and the CPU's flags,
 so a cache copied to another machine is rebuilt rather than run on the wrong instructions.
 `DSPARK_KERNEL_CACHE` moves it (default ~/.cache/dspark/kernels); `DSPARK_CPU_KERNELS=0` turns
-the kernels off (the model then runs torch's SDPA and norm, as before they existed).
+the kernels off (the model then runs torch's SDPA and norm, as before they existed);
+`DSPARK_CPU_ISA=avx2` builds them as for a CPU without AVX-512 (see precision.cpu_flags).
 """
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-from dspark.models.precision import cpu_flags
+from dspark.models.precision import AVX2_ONLY, cpu_flags
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_kernels.cpp", "gguf_matmul.cpp", "gguf_q8_matmul.cpp", "int8_matmul.cpp",
                         "draft_chain.cpp", "layer_stack.cpp")]
 HEADERS = [Path(__file__).with_name("release_gil.h")]
-FLAGS = ["-O3", "-march=native", "-fopenmp"]
+FLAGS = ["-O3", "-march=native", "-fopenmp"] + (["-mno-avx512f", "-mno-avxvnni", "-mno-amx-tile"] if AVX2_ONLY else [])
 
 
 def _build_dir() -> Path:

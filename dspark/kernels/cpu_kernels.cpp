@@ -270,41 +270,46 @@ void attend_heads(const float* queries, const int64_t* keys, int M, const T* k, 
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// The same on AVX2, fp32 cache, head size 64 (8 vectors of 8). A key's score: its 8 lane-wise
-// products summed in order, then its 8 lanes by a fixed tree; eight keys' trees share hadds, the
-// key j in lane j. A row's bits do not depend on which rows share the call.
+// The same on AVX2, head size 64 (8 vectors of 8), a cache of fp32 or bf16. A key's score: its 8
+// lane-wise products summed in order, then its 8 lanes by a fixed tree; eight keys' trees share
+// hadds, the key j in lane j. A row's bits do not depend on which rows share the call.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift: exact
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(p))), 16));
+}
+
 inline __m256 key_lanes(const __m256* q, const float* kt) {
     __m256 acc = _mm256_mul_ps(q[0], _mm256_loadu_ps(kt));
     for (int i = 1; i < 8; ++i) acc = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(kt + 8 * i), acc);
     return acc;
 }
 
-// Scores of keys t0 .. t0 + n - 1 (n <= 8) into scores[t0 ..].
-inline void scores8(const __m256* q, const float* k, int64_t t0, int64_t n, float* scores) {
+// Scores of the n <= 8 keys (fp32 rows) of `chunk` into scores[0 .. n - 1].
+inline void scores8(const __m256* q, const float* chunk, int64_t n, float* scores) {
     __m256 a[8];
-    for (int j = 0; j < 8; ++j) a[j] = j < n ? key_lanes(q, k + (t0 + j) * 64) : _mm256_setzero_ps();
+    for (int j = 0; j < 8; ++j) a[j] = j < n ? key_lanes(q, chunk + j * 64) : _mm256_setzero_ps();
     const __m256 h03 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 h47 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h03, h47, 0x20), _mm256_permute2f128_ps(h03, h47, 0x31));
     alignas(32) float out[8];
     _mm256_store_ps(out, sums);
-    for (int j = 0; j < n; ++j) scores[t0 + j] = out[j];
+    for (int j = 0; j < n; ++j) scores[j] = out[j];
 }
 
 // H heads' weights times the values over 32 of the 64 dims (`half`), each head over its own keys
 // in order, scaled by 1 / sum: H x 4 sums and a value's 4 vectors stay in registers.
-template <int H>
+template <int H, typename T>
 inline void weighted_values_avx2(const float* weights, int64_t stride, const int64_t* keys, const float* inv,
-                                 const float* v, float* const* out, int half) {
+                                 const T* v, float* const* out, int half) {
     int64_t most = 0;
     for (int g = 0; g < H; ++g) most = std::max(most, keys[g]);
     __m256 acc[H][4];
     for (int g = 0; g < H; ++g)
         for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
     for (int64_t t = 0; t < most; ++t) {
-        const float* vt = v + t * 64 + 32 * half;
-        const __m256 v0 = _mm256_loadu_ps(vt), v1 = _mm256_loadu_ps(vt + 8), v2 = _mm256_loadu_ps(vt + 16),
-                     v3 = _mm256_loadu_ps(vt + 24);
+        const T* vt = v + t * 64 + 32 * half;
+        const __m256 v0 = load8(vt), v1 = load8(vt + 8), v2 = load8(vt + 16), v3 = load8(vt + 24);
         for (int g = 0; g < H; ++g) {
             if (t >= keys[g]) continue;
             const __m256 w = _mm256_set1_ps(weights[g * stride + t]);
@@ -320,15 +325,27 @@ inline void weighted_values_avx2(const float* weights, int64_t stride, const int
     }
 }
 
-void attend_heads_avx2(const float* queries, const int64_t* keys, int M, const float* k, const float* v, float* scores,
+template <typename T>
+void attend_heads_avx2(const float* queries, const int64_t* keys, int M, const T* k, const T* v, float* scores,
                        int64_t stride, float* const* out) {
-    for (int64_t t = 0; t < stride; t += 8)  // 8 keys (2 KB) at a time for every head: read from L1
+    // 8 keys (2 KB) at a time for every head, so they are read from L1. A bf16 cache's 8 keys are
+    // widened to fp32 once for all M heads, not once a head.
+    alignas(32) float widened[8 * 64];
+    for (int64_t t = 0; t < stride; t += 8) {
+        const float* chunk = widened;
+        if constexpr (std::is_same_v<T, float>) {
+            chunk = k + t * 64;
+        } else {
+            for (int64_t i = 0; i < std::min<int64_t>(8, stride - t) * 8; ++i)
+                _mm256_store_ps(widened + 8 * i, load8(k + t * 64 + 8 * i));
+        }
         for (int m = 0; m < M; ++m) {
             if (t >= keys[m]) continue;
             __m256 q[8];
             for (int i = 0; i < 8; ++i) q[i] = _mm256_loadu_ps(queries + m * 64 + 8 * i);
-            scores8(q, k, t, std::min<int64_t>(8, keys[m] - t), scores + m * stride);
+            scores8(q, chunk, std::min<int64_t>(8, keys[m] - t), scores + m * stride + t);
         }
+    }
     float inv[kMaxHeadsTogether];
     for (int m = 0; m < M; ++m) inv[m] = softmax_weights(scores + m * stride, keys[m]);
     for (int half = 0; half < 2; ++half) {
@@ -402,12 +419,10 @@ void attend_rows(const Query& q, const T* kc, const T* vc, const int64_t* slots,
                 continue;
             }
 #elif defined(__AVX2__) && defined(__FMA__)
-            if constexpr (std::is_same_v<T, float>) {
-                if (hd == 64 && M <= kMaxHeadsTogether) {
-                    attend_heads_avx2(queries.data(), keys.data(), static_cast<int>(M), kc + base, vc + base,
-                                      scores.data(), stride, dst.data());
-                    continue;
-                }
+            if (hd == 64 && M <= kMaxHeadsTogether) {
+                attend_heads_avx2(queries.data(), keys.data(), static_cast<int>(M), kc + base, vc + base,
+                                  scores.data(), stride, dst.data());
+                continue;
             }
 #endif
             for (int64_t m = 0; m < M; ++m)

@@ -44,15 +44,24 @@ GGUF_PRECISIONS = ("gguf", "gguf-q8")  # the two that multiply by a GGUF's own b
 log = logging.getLogger(__name__)
 
 
+# Set DSPARK_CPU_ISA=avx2 to build the kernels and choose precisions as on a CPU without AVX-512,
+# VNNI or AMX (an AVX2 EPYC): that path, tested on a host that has them.
+AVX2_ONLY = os.environ.get("DSPARK_CPU_ISA", "") == "avx2"
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
+    flags: frozenset[str] = frozenset()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+                flags = frozenset(line.split(":", 1)[1].split())
+                break
     except OSError:
         pass
-    return frozenset()
+    if AVX2_ONLY:
+        flags = frozenset(f for f in flags if not f.startswith(("avx512", "amx", "avx_vnni", "avx_ne")))
+    return flags
 
 
 def has_vnni() -> bool:
