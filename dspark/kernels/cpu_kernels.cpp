@@ -73,6 +73,19 @@ inline __m256 exp_nonpositive8(__m256 x) {
 }
 #endif
 
+#ifdef __AVX512F__
+// The same sixteen lanes at a time (softmax's scores).
+inline __m512 exp_nonpositive16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(kExpPoly[0]);
+    for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpPoly[i]));
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23)));
+}
+#endif
+
 // Sum of LANES partial sums in a fixed tree order.
 inline float lane_sum(const float* acc) {
     float s8[8], s4[4];
@@ -125,7 +138,18 @@ inline float softmax_weights(float* scores, int64_t keys) {
     for (; t < keys; ++t) top = scores[t] > top ? scores[t] : top;
     float partial[LANES] = {0.0f};
     t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef __AVX512F__
+    // `partial` as one vector, each lane adding its keys in the loop's order; the last keys masked.
+    const __m512 max16 = _mm512_set1_ps(top);
+    __m512 sum16 = _mm512_setzero_ps();
+    for (; t < keys; t += LANES) {
+        const __mmask16 keep = keys - t >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << (keys - t)) - 1);
+        const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, scores + t), max16));
+        _mm512_mask_storeu_ps(scores + t, keep, e);
+        sum16 = _mm512_mask_add_ps(sum16, keep, sum16, e);
+    }
+    _mm512_storeu_ps(partial, sum16);
+#elif defined(__AVX2__) && defined(__FMA__)
     // The lanes of `partial` as two vectors: each lane adds its keys in the loop's order.
     const __m256 max8 = _mm256_set1_ps(top);
     __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
