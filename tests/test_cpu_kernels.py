@@ -13,7 +13,7 @@ from dspark.models.batch import VarlenBatch
 from dspark.models.int8_smoothing import linear_input_ranges
 from dspark.models.layers import Rotary, apply_rope, rope_tables
 from dspark.models.precision import Int8Linear, _pack_for_vnni, has_gguf_matmul
-from tests.spec_helpers import tiny_target
+from tests.spec_helpers import tiny_target, with_gguf_blocks
 
 ops = kernels()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler: the CPU kernels could not be built")
@@ -243,18 +243,22 @@ needs_vnni_int8 = pytest.mark.skipif(ops is None or not ops.has_int8_linear(),
                                      reason="no AVX-512 VNNI here: int8 runs on FBGEMM (test_precision covers it)")
 
 
-@needs_vnni_int8
-@pytest.mark.parametrize("smoothed", [False, True])
-def test_the_int8_layer_stack_gives_the_python_loops_bits(smoothed):
-    """Transformer.forward through kernels().Int8Layers (a pass's layers in one call) against its loop
+@pytest.mark.parametrize("precision, smoothed", [
+    pytest.param("int8", False, marks=needs_vnni_int8), pytest.param("int8", True, marks=needs_vnni_int8),
+    pytest.param("gguf-q8", False, marks=pytest.mark.skipif(not has_gguf_matmul(), reason="no AVX2/FMA/F16C here"))])
+def test_the_layer_stack_gives_the_python_loops_bits(precision, smoothed):
+    """Transformer.forward through kernels().LayerStack (a pass's layers in one call) against its loop
     over fused_forward: the same kernels in the same order, so the same logits, hidden states and
     captured features, for a prompt prefilled beside another request's rows and then decode rows;
-    with SmoothQuant's input scales too."""
+    int8 with SmoothQuant's input scales too, gguf-q8 on Q4_1 blocks."""
     target = tiny_target(layers=3)
+    if precision == "gguf-q8":
+        with_gguf_blocks(target)
     ranges = linear_input_ranges(target, [[5, 9, 11, 3, 7, 2, 30, 4]]) if smoothed else None
-    target.set_precision("int8", ranges)
+    assert target.set_precision(precision, ranges) == precision
     assert target._layer_stack is not None and len(target._layer_stack) == 3
-    assert (target.model.layers[0].mlp.down_proj.x_scale is not None) == smoothed
+    if precision == "int8":
+        assert (target.model.layers[0].mlp.down_proj.x_scale is not None) == smoothed
 
     def run():
         cache = target.new_cache(2, 32)

@@ -296,31 +296,33 @@ void attend_heads(const float* queries, const int64_t* keys, int M, const T* k, 
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// The same on AVX2, head size 64 (8 vectors of 8), a cache of fp32 or bf16. A key's score: its 8
-// lane-wise products summed in order, then its 8 lanes by a fixed tree; eight keys' trees share
-// hadds, the key j in lane j. A row's bits do not depend on which rows share the call.
+// The same on AVX2, head size 64, a cache of fp32 or bf16. Scores ride with the query heads in the
+// lanes (8 heads a vector, the queries transposed once a call) and 8 keys in 8 registers: a score is
+// one fused multiply-add chain over the 64 dims in order, with no lane sums (the hadd trees the
+// keys-in-lanes layout needed made scores 3x the cost of values). A head's score gets the same
+// operations in any lane and beside any other heads, so a row's bits do not depend on the call.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift: exact
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
         reinterpret_cast<const __m128i*>(p))), 16));
 }
 
-inline __m256 key_lanes(const __m256* q, const float* kt) {
-    __m256 acc = _mm256_mul_ps(q[0], _mm256_loadu_ps(kt));
-    for (int i = 1; i < 8; ++i) acc = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(kt + 8 * i), acc);
-    return acc;
-}
-
-// Scores of the n <= 8 keys (fp32 rows) of `chunk` into scores[0 .. n - 1].
-inline void scores8(const __m256* q, const float* chunk, int64_t n, float* scores) {
-    __m256 a[8];
-    for (int j = 0; j < 8; ++j) a[j] = j < n ? key_lanes(q, chunk + j * 64) : _mm256_setzero_ps();
-    const __m256 h03 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 h47 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h03, h47, 0x20), _mm256_permute2f128_ps(h03, h47, 0x31));
-    alignas(32) float out[8];
-    _mm256_store_ps(out, sums);
-    for (int j = 0; j < n; ++j) scores[j] = out[j];
+// Scores of keys t .. t + n - 1 (n <= 8; `chunk` their fp32 rows, zero past n) for heads of one
+// group: qt holds its 8 heads transposed ([64][8]), `heads` of them real; head l's scores go to
+// scores[l * stride + t ..].
+inline void scores8(const float* qt, const float* chunk, int64_t n, int heads, float* scores, int64_t stride) {
+    __m256 acc[8];
+    const __m256 q0 = _mm256_load_ps(qt);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(q0, _mm256_broadcast_ss(chunk + j * 64));
+    for (int d = 1; d < 64; ++d) {
+        const __m256 qd = _mm256_load_ps(qt + 8 * d);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_broadcast_ss(chunk + j * 64 + d), acc[j]);
+    }
+    alignas(32) float lanes[8][8];  // key j's scores, head l in lane l
+    for (int j = 0; j < 8; ++j) _mm256_store_ps(lanes[j], acc[j]);
+    for (int l = 0; l < heads; ++l)
+        for (int j = 0; j < n; ++j) scores[l * stride + j] = lanes[j][l];
 }
 
 // H heads' weights times the values over 32 of the 64 dims (`half`), each head over its own keys
@@ -354,23 +356,28 @@ inline void weighted_values_avx2(const float* weights, int64_t stride, const int
 template <typename T>
 void attend_heads_avx2(const float* queries, const int64_t* keys, int M, const T* k, const T* v, float* scores,
                        int64_t stride, float* const* out) {
-    // 8 keys (2 KB) at a time for every head, so they are read from L1. A bf16 cache's 8 keys are
-    // widened to fp32 once for all M heads, not once a head.
+    // The queries transposed, 8 heads a group, zero past M; then 8 keys (2 KB) at a time for every
+    // group, read from L1. A bf16 cache's keys, and the last few keys, are widened (or copied) into
+    // a zero-padded chunk once for all heads.
+    constexpr int kGroups = (kMaxHeadsTogether + 7) / 8;
+    alignas(32) float qt[kGroups][64][8];
+    const int groups = (M + 7) / 8;
+    for (int g = 0; g < groups; ++g)
+        for (int d = 0; d < 64; ++d)
+            for (int l = 0; l < 8; ++l) qt[g][d][l] = 8 * g + l < M ? queries[(8 * g + l) * 64 + d] : 0.0f;
     alignas(32) float widened[8 * 64];
     for (int64_t t = 0; t < stride; t += 8) {
+        const int64_t n = std::min<int64_t>(8, stride - t);
         const float* chunk = widened;
         if constexpr (std::is_same_v<T, float>) {
-            chunk = k + t * 64;
-        } else {
-            for (int64_t i = 0; i < std::min<int64_t>(8, stride - t) * 8; ++i)
-                _mm256_store_ps(widened + 8 * i, load8(k + t * 64 + 8 * i));
+            if (n == 8) chunk = k + t * 64;
         }
-        for (int m = 0; m < M; ++m) {
-            if (t >= keys[m]) continue;
-            __m256 q[8];
-            for (int i = 0; i < 8; ++i) q[i] = _mm256_loadu_ps(queries + m * 64 + 8 * i);
-            scores8(q, chunk, std::min<int64_t>(8, keys[m] - t), scores + m * stride + t);
+        if (chunk == widened) {
+            for (int64_t i = 0; i < 8 * 8; ++i)
+                _mm256_store_ps(widened + 8 * i, i < n * 8 ? load8(k + t * 64 + 8 * i) : _mm256_setzero_ps());
         }
+        for (int g = 0; g < groups; ++g)
+            scores8(&qt[g][0][0], chunk, n, std::min(8, M - 8 * g), scores + 8 * g * stride + t, stride);
     }
     float inv[kMaxHeadsTogether];
     for (int m = 0; m < M; ++m) inv[m] = softmax_weights(scores + m * stride, keys[m]);

@@ -1,15 +1,17 @@
-// A decoder's layers in one call on the int8 CPU path: the same kernels, in the same order, as the
-// Python loop over DecoderLayer.fused_forward, so the same bits.
+// A decoder's layers in one call on the int8 or gguf-q8 CPU path: the same kernels, in the same
+// order, as the Python loop over DecoderLayer.fused_forward, so the same bits.
 //
 // Why: a decode pass of SmolLM2 is 30 layers of eight kernel calls, and each call from Python paid a
 // frame, attribute lookups and pybind's conversion of every tensor argument and result; at one row
 // that glue was ~1 ms of a ~7 ms pass (docs/results.md, session 22). Here the weights are taken once
 // (add_layer, when the model is put on its kernels) and a pass is one call.
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 
 #include "release_gil.h"
 
 #include <tuple>
+#include <variant>
 #include <vector>
 
 // The kernels a layer runs (cpu_kernels.cpp, int8_matmul.cpp).
@@ -22,30 +24,40 @@ torch::Tensor rope_cache_attention(torch::Tensor qkv, torch::Tensor cos, torch::
                                    torch::Tensor positions, int64_t heads, bool bf16_out,
                                    c10::optional<torch::Tensor> key_counts);
 torch::Tensor silu_mul(torch::Tensor gate_up, bool bf16_out);
+torch::Tensor gguf_linear_q8_interleaved(torch::Tensor x, torch::Tensor packed, int64_t qtype);  // gguf_q8_matmul.cpp
 
 namespace {
 
-struct Int8Matmul {
-    torch::Tensor packed, scale;
-    c10::optional<torch::Tensor> bias, x_scale;
-    torch::Tensor operator()(const torch::Tensor& x) const { return int8_linear(x, packed, scale, bias, x_scale); }
+// Int8Linear's kernel arguments: (packed, w_scale, bias, x_scale).
+using Int8Args = std::tuple<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>;
+// GgufLinear's on interleaved blocks: (blocks, qtype, bias).
+using GgufArgs = std::tuple<torch::Tensor, int64_t, c10::optional<torch::Tensor>>;
+
+struct Matmul {
+    std::variant<Int8Args, GgufArgs> args;
+    torch::Tensor operator()(const torch::Tensor& x) const {
+        if (const auto* a = std::get_if<Int8Args>(&args))
+            return int8_linear(x, std::get<0>(*a), std::get<1>(*a), std::get<2>(*a), std::get<3>(*a));
+        const auto& [blocks, qtype, bias] = std::get<GgufArgs>(args);
+        torch::Tensor y = gguf_linear_q8_interleaved(x, blocks, qtype);
+        return bias ? y.add_(*bias) : y;  // as GgufLinear.forward: y += bias
+    }
 };
 
 struct Layer {
     torch::Tensor norm1, norm2;
     double eps1, eps2;
-    Int8Matmul qkv, o, gate_up, down;
+    Matmul qkv, o, gate_up, down;
     int64_t heads;
 };
 
-class Int8Layers {
+class LayerStack {
 public:
-    // Each matmul as (packed, w_scale, bias, x_scale), Int8Linear's kernel arguments.
-    using Matmul = std::tuple<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>;
+    using Args = std::variant<Int8Args, GgufArgs>;
 
-    void add_layer(torch::Tensor norm1, double eps1, const Matmul& qkv, const Matmul& o, torch::Tensor norm2,
-                   double eps2, const Matmul& gate_up, const Matmul& down, int64_t heads) {
-        layers_.push_back(Layer{norm1, norm2, eps1, eps2, matmul(qkv), matmul(o), matmul(gate_up), matmul(down), heads});
+    void add_layer(torch::Tensor norm1, double eps1, const Args& qkv, const Args& o, torch::Tensor norm2,
+                   double eps2, const Args& gate_up, const Args& down, int64_t heads) {
+        layers_.push_back(Layer{norm1, norm2, eps1, eps2, {qkv}, {o}, {gate_up}, {down}, heads});
     }
 
     int64_t size() const { return static_cast<int64_t>(layers_.size()); }
@@ -79,19 +91,15 @@ public:
     }
 
 private:
-    static Int8Matmul matmul(const Matmul& m) {
-        return Int8Matmul{std::get<0>(m), std::get<1>(m), std::get<2>(m), std::get<3>(m)};
-    }
-
     std::vector<Layer> layers_;
 };
 
 }  // namespace
 
 void register_layer_stack(pybind11::module& m) {
-    pybind11::class_<Int8Layers>(m, "Int8Layers", "a decoder's layers on the int8 kernels, a pass in one call")
+    pybind11::class_<LayerStack>(m, "LayerStack", "a decoder's layers on the int8 or gguf-q8 kernels, a pass in one call")
         .def(pybind11::init<>())
-        .def("add_layer", &Int8Layers::add_layer)
-        .def("__len__", &Int8Layers::size)
-        .def("forward", &Int8Layers::forward, kReleaseGil);
+        .def("add_layer", &LayerStack::add_layer)
+        .def("__len__", &LayerStack::size)
+        .def("forward", &LayerStack::forward, kReleaseGil);
 }

@@ -16,7 +16,7 @@ from dspark.models.batch import VarlenBatch
 from dspark.models.config import ModelConfig
 from dspark.models.kv_cache import KVCache
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, fuse_linears, rope_tables
-from dspark.models.precision import Int8Linear, apply_precision
+from dspark.models.precision import GgufLinear, Int8Linear, apply_precision
 from dspark.models.threads import one_thread
 
 
@@ -227,24 +227,33 @@ class DecoderLayer(nn.Module):
         return parts
 
 
-def int8_layer_stack(layers):
-    """The layers as one kernels().Int8Layers (dspark/kernels/layer_stack.cpp: a pass's layers in one
+def layer_stack(layers):
+    """The layers as one kernels().LayerStack (dspark/kernels/layer_stack.cpp: a pass's layers in one
     call, the same kernels in the same order as fused_forward) when every matmul runs the int8 kernel
-    (AVX-512 VNNI), else None."""
+    (AVX-512 VNNI) or gguf-q8 on interleaved blocks (AVX2), else None."""
     ops = kernels()
-    if ops is None or not hasattr(ops, "Int8Layers") or not all(layer.fusable for layer in layers):
+    if ops is None or not hasattr(ops, "LayerStack") or not all(layer.fusable for layer in layers):
         return None
-    stack = ops.Int8Layers()
+    stack = ops.LayerStack()
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(linear, Int8Linear) and linear.kernel is not None for linear in linears):
+        matmuls = [_stack_args(linear, ops) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if None in matmuls:
             return None
         norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-        qkv, o, gate_up, down = ((linear.weight_blocks, linear.w_scale, linear.bias, linear.x_scale) for linear in linears)
+        qkv, o, gate_up, down = matmuls
         stack.add_layer(norm1.weight.detach(), norm1.eps, qkv, o, norm2.weight.detach(), norm2.eps, gate_up, down,
                         attn.heads)
     return stack
+
+
+def _stack_args(linear, ops) -> tuple | None:
+    """A linear's kernel arguments as LayerStack takes them, None where its kernel is not one of the two."""
+    if isinstance(linear, Int8Linear) and linear.kernel is not None:
+        return linear.weight_blocks, linear.w_scale, linear.bias, linear.x_scale
+    if isinstance(linear, GgufLinear) and linear.kernel is ops.gguf_linear_q8_interleaved:
+        return linear.blocks.data, linear.blocks.qtype, linear.bias
+    return None
 
 
 class _Backbone(nn.Module):
@@ -261,7 +270,7 @@ class Transformer(nn.Module):
         self.config = cfg
         self.precision = "fp32"  # until set_precision
         self._fused_layers = False  # q|k|v and gate|up fused in every layer (set_precision)
-        self._layer_stack = None  # the layers in one kernel call, on the int8 kernels (set_precision)
+        self._layer_stack = None  # the layers in one kernel call, on the int8 or gguf-q8 kernels (set_precision)
         self.model = _Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -283,7 +292,7 @@ class Transformer(nn.Module):
             layer.__dict__.pop("_parts", None)
         # fusing projections happens only here: whether the fused layer path applies is known now
         self._fused_layers = all(layer.fusable for layer in self.model.layers)
-        self._layer_stack = int8_layer_stack(self.model.layers)
+        self._layer_stack = layer_stack(self.model.layers)
         return self.precision
 
     @property
@@ -345,7 +354,7 @@ class Transformer(nn.Module):
         captured = {}
         plan = plan_attention(batch, cache, self.cached_kernel)
         if plan.cached_kernel and self._fused_layers:
-            if self._layer_stack is not None:  # the loop below in one C++ call (int8)
+            if self._layer_stack is not None:  # the loop below in one C++ call
                 n = x.shape[0]
                 delta, rows = self._layer_stack.forward(x, rope[0].view(n, -1), rope[1].view(n, -1), cache.k, cache.v,
                                                         plan.write_slots, plan.write_positions, list(capture_layers))
