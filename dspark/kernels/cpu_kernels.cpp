@@ -7,8 +7,8 @@
 // (row, query head) is computed from start to end in a fixed order of operations on one thread: its
 // bits depend on nothing but its own query, position and cache, so a verified row is exactly the row
 // decoding would have computed, at any batch and thread count. A task takes one KV head and a few
-// rows of one slot (a verified block), which share each key and value they read: with AVX-512, or
-// AVX2 and an fp32 cache at head size 64; elsewhere one head at a time.
+// rows of one slot (a verified block), which share each key and value they read: with AVX-512 or
+// AVX2 at head size 64; elsewhere one head at a time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
