@@ -60,6 +60,23 @@ def test_cached_attention_matches_sdpa_and_ignores_the_rest_of_the_batch(dtype, 
     assert torch.equal(out, alone)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [2, 3, 4, 8])
+def test_one_requests_block_gets_each_rows_lone_bits_at_any_thread_count(rows, threads):
+    """A batch of one request's rows alone is cut into tasks by the thread count (balanced_pieces):
+    whatever the cut, every row gets the bits it gets alone on one thread."""
+    g = torch.Generator().manual_seed(1)
+    kc, vc = (torch.randn(1, 3, 300, 64, generator=g) for _ in range(2))
+    slots, positions = torch.zeros(rows, dtype=torch.int64), torch.arange(250, 250 + rows)
+    q = torch.randn(rows, 9, 64, generator=g)
+    with torch_threads(threads):
+        out = ops.cached_attention(q, kc, vc, slots, positions)
+    with torch_threads(1):
+        alone = torch.cat([ops.cached_attention(q[r:r + 1], kc, vc, slots[r:r + 1], positions[r:r + 1])
+                           for r in range(rows)])
+    assert torch.equal(out, alone)
+
+
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (16, 4, 1)])
 def test_a_bf16_cache_gives_the_bits_of_an_fp32_cache_holding_the_same_values(head_dim, heads, kv_heads):
     """bf16 keys and values are widened to fp32 exactly (once per 16 keys for every head that reads

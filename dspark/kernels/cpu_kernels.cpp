@@ -402,6 +402,20 @@ void one_head(const float* query, const T* k, const T* v, int64_t keys, int64_t 
     for (int64_t d = 0; d < hd; ++d) out[d] = acc[d] * inv;
 }
 
+// How many pieces to cut one slot's `rows` into (at least `fewest`), so that its kv_heads x pieces
+// tasks keep every thread busy: a task costs about its query heads plus two (its keys and values
+// streamed once; measured on a Zen 3), and the slowest thread's tasks decide the time. One request
+// verifying 4 rows on 2 threads: 3 tasks of 12 heads (one thread does two) -> 6 of 6 (three each).
+// Which rows share a task does not change a row's bits, so the cut may follow the thread count.
+inline int64_t balanced_pieces(int64_t rows, int64_t fewest, int64_t group, int64_t kv_heads, int64_t threads) {
+    int64_t best = fewest, best_cost = INT64_MAX;
+    for (int64_t p = fewest; p <= std::min(rows, fewest + threads); ++p) {
+        const int64_t rounds = (p * kv_heads + threads - 1) / threads, per_task = (rows + p - 1) / p * group + 2;
+        if (rounds * per_task < best_cost) best = p, best_cost = rounds * per_task;
+    }
+    return best;
+}
+
 // Tasks of one KV head and a run of consecutive rows of one slot (a verified block), at most
 // kMaxHeadsTogether query heads in all, split evenly: the run's rows read each key and value once.
 // q(r, h, query) fills query[hd] with row r's head h, rotated, before scaling. A row's bits do not
@@ -417,7 +431,9 @@ void attend_rows(const Query& q, const T* kc, const T* vc, const int64_t* slots,
     for (int64_t r = 0; r < rows;) {
         int64_t end = r + 1;
         while (end < rows && slots[end] == slots[r]) ++end;
-        const int64_t pieces = (end - r + most_rows - 1) / most_rows, size = (end - r + pieces - 1) / pieces;
+        int64_t pieces = (end - r + most_rows - 1) / most_rows;
+        if (r == 0 && end == rows) pieces = balanced_pieces(rows, pieces, group, kv_heads, at::get_num_threads());
+        const int64_t size = (end - r + pieces - 1) / pieces;
         for (; r < end; r += size) first.push_back(r);
         r = end;
     }
