@@ -218,7 +218,11 @@ def q8_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Ten
     return (exact * d_w[None, :, :, 0] * d_x[:, None, :, 0] + m_w[None, :, :, 0] * x_sums).sum(-1)
 
 
-@pytest.mark.skipif(not has_gguf_matmul(), reason="no AVX2/FMA/F16C here: gguf-q8 is refused (test_precision)")
+needs_gguf_q8 = pytest.mark.skipif(not has_gguf_matmul(),
+                                   reason="no AVX2/FMA/F16C here: gguf-q8 is refused (test_precision)")
+
+
+@needs_gguf_q8
 @pytest.mark.parametrize("qtype", [3, 8])
 def test_gguf_linear_q8_is_llama_cpp_math_and_each_row_the_same_at_any_row_count(qtype):
     """x as int8 blocks times the GGUF quants, against the same math in fp64; close to the fp32
@@ -236,7 +240,7 @@ def test_gguf_linear_q8_is_llama_cpp_math_and_each_row_the_same_at_any_row_count
             assert torch.equal(ops.gguf_linear_q8(x[start:start + rows], blocks, qtype), y[start:start + rows])
 
 
-@pytest.mark.skipif(not has_gguf_matmul(), reason="no AVX2/FMA/F16C here: gguf-q8 is refused (test_precision)")
+@needs_gguf_q8
 @pytest.mark.parametrize("qtype", [3, 8])
 @pytest.mark.parametrize("out,k", [(40, 96), (16, 576)])
 def test_interleaved_blocks_are_the_same_math_and_each_row_the_same_at_any_row_count(out, k, qtype):
@@ -262,7 +266,7 @@ needs_vnni_int8 = pytest.mark.skipif(ops is None or not ops.has_int8_linear(),
 
 @pytest.mark.parametrize("precision, smoothed", [
     pytest.param("int8", False, marks=needs_vnni_int8), pytest.param("int8", True, marks=needs_vnni_int8),
-    pytest.param("gguf-q8", False, marks=pytest.mark.skipif(not has_gguf_matmul(), reason="no AVX2/FMA/F16C here"))])
+    pytest.param("gguf-q8", False, marks=needs_gguf_q8)])
 def test_the_layer_stack_gives_the_python_loops_bits(precision, smoothed):
     """Transformer.forward through kernels().LayerStack (a pass's layers in one call) against its loop
     over fused_forward: the same kernels in the same order, so the same logits, hidden states and
