@@ -17,8 +17,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from service_helpers import (RedisServer, free_port, internal_address, internal_channel, start_scheduler, wait_serving,
-                             wait_until)
+from service_helpers import (TOKEN, RedisServer, free_port, internal_address, internal_channel, start_scheduler,
+                             wait_serving, wait_until)
 from test_calibration import GAMMA, overconfident_traffic
 
 from dspark.proto_gen.v1 import load_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -376,3 +376,66 @@ def test_a_scheduler_started_on_a_taken_port_exits_and_the_first_keeps_serving(s
         assert gauge(scrape(port), "dspark_live_confidence_offset", verifier_id="after-newcomer") is not None
     finally:
         channel.close()
+
+
+def test_the_verifiers_step_reports_go_once_they_hold_a_budgets_blocks_or_a_probe(schedulers):
+    """The verifier's reporter, against a real scheduler: its first reports go at once, then reports
+    wait until they hold as many drafted blocks as a budget pools (fewer move the budget little, and
+    each call costs the target's cores ~1.5 ms of the scheduler's CPU), but a probe's confidences,
+    the way back to drafting while the budget is 0, go at the next look. Every report arrives."""
+    from dspark.serving.token_metadata import aio_interceptors
+    from dspark.speculative.engine import StepReport
+    from verifier_svc.reporter import FLUSH_BLOCKS, SchedulerReporter, flush_due
+
+    assert flush_due(FLUSH_BLOCKS, False, 0.0) and flush_due(0, True, 0.0) and flush_due(1, False, 10.0)
+    assert not flush_due(FLUSH_BLOCKS - 1, False, 0.0)
+    address, port = schedulers[0]
+    rng = np.random.default_rng(5)
+    look_s = 0.02
+
+    def drafted(blocks: int, verified: int) -> StepReport:
+        return StepReport(batch_size=blocks, batch_tokens=blocks * (1 + verified), seconds=0.01,
+                          req_ids=[f"r{i}" for i in range(blocks)], verified=[verified] * blocks,
+                          accepted=[int(rng.integers(0, verified + 1)) for _ in range(blocks)],
+                          conf_logits=torch.tensor(rng.normal(size=(blocks, GAMMA)), dtype=torch.float32))
+
+    class Recording(SchedulerReporter):
+        async def _flush(self, batch):
+            sent.append(len(batch))
+            await super()._flush(batch)
+
+    async def main():
+        reporter = Recording(internal_address(address), scheduler_pb2.RegisterVerifierRequest(
+            address="127.0.0.1:9", model="synthetic", drafter_kind="dspark", drafter_version=VERSION, gamma=GAMMA,
+            load=load("reporter")), lambda: load("reporter"), decisions.append, interval_s=0.5,
+            step_interval_s=look_s, flush_max_s=600)  # only blocks and probes flush here
+        reporter.channels = [grpc.aio.insecure_channel(internal_address(address),
+                                                       interceptors=aio_interceptors([TOKEN]))]
+        reporter.start()
+
+        async def until(count: int) -> None:
+            deadline = time.monotonic() + RPC_S
+            while len(sent) < count:
+                assert time.monotonic() < deadline, f"{count} flushes expected, saw {sent}"
+                await asyncio.sleep(look_s)
+
+        try:
+            reporter.on_step(drafted(1, 3))
+            await until(1)  # the first goes at once
+            for _ in range(5):
+                reporter.on_step(drafted(3, 3))  # 15 blocks
+            await asyncio.sleep(20 * look_s)
+            assert sent == [1], "15 blocks went before they made a budget's 16"
+            reporter.on_step(drafted(1, 3))
+            await until(2)
+            assert sent == [1, 6]
+            reporter.on_step(drafted(2, 0))  # a probe: drafted, none verified
+            await until(3)
+            assert sent == [1, 6, 1]
+        finally:
+            await reporter.close()
+
+    sent, decisions = [], []
+    asyncio.run(main())
+    assert any(d.decided for d in decisions)
+    assert gauge(scrape(port), "dspark_scheduled_verify_budget", verifier_id="reporter") is not None

@@ -28,7 +28,7 @@ from dspark.serving.server import GrpcApp, setup_logging
 from dspark.speculative.engine import SpecEngine
 from verifier_svc.budget_control import BudgetControl
 from verifier_svc.remote_drafter import RemoteDrafter, ahead_pays
-from verifier_svc.reporter import SchedulerReporter, make_load
+from verifier_svc.reporter import FLUSH_BLOCKS, FLUSH_MAX_S, SchedulerReporter, make_load
 from verifier_svc.runner import EngineRunner
 from verifier_svc.service import CoreSlot, GenerationService, VerifierCore, VerifierService
 from verifier_svc.step_spans import StepSpans
@@ -94,9 +94,14 @@ def parse_args(argv=None):
     ap.add_argument("--report-interval-s", type=float, env="DSPARK_REPORT_INTERVAL_S", default=0.5,
                     help="how often the load goes to the scheduler")
     ap.add_argument("--step-report-interval-s", type=float, env="DSPARK_STEP_REPORT_INTERVAL_S", default=0.05,
-                    help="how often step reports (confidences, outcomes) go to the scheduler, every step since "
-                         "the last in one call: the budget that comes back is this much older than the step "
-                         "(every 20 ms cost a 2-core host 8%% of its speculative speed, docs/results.md)")
+                    help="how often the pending step reports (confidences, outcomes) are looked at; they go to "
+                         "the scheduler in one call once they hold --step-report-blocks drafted blocks, a probe's "
+                         "confidences, or are --step-report-max-s old (docs/results.md, session 37)")
+    ap.add_argument("--step-report-blocks", type=int, env="DSPARK_STEP_REPORT_BLOCKS", default=FLUSH_BLOCKS,
+                    help="drafted blocks that make the pending step reports worth a call (the scheduler pools "
+                         "16 for a budget; 1 = every look)")
+    ap.add_argument("--step-report-max-s", type=float, env="DSPARK_STEP_REPORT_MAX_S", default=FLUSH_MAX_S,
+                    help="longest the step reports wait for a call")
     ap.add_argument("--default-max-tokens", type=int, env="DSPARK_DEFAULT_MAX_TOKENS", default=256)
     ap.add_argument("--max-tokens-cap", type=int, env="DSPARK_MAX_TOKENS_CAP", default=0,
                     help="largest max_tokens a request may ask for (0 = --max-len); above it: INVALID_ARGUMENT")
@@ -118,6 +123,8 @@ async def serve(args) -> None:
     slot = CoreSlot()
     if args.draft_probe_every < 1:
         raise SystemExit("--draft-probe-every must be >= 1")
+    if args.step_report_blocks < 1:
+        raise SystemExit("--step-report-blocks must be >= 1")
     if not args.step_report_interval_s > 0:
         raise SystemExit("--step-report-interval-s must be > 0")
     control = BudgetControl(args.explore, args.budget_ttl_steps, args.budget_ttl_s, args.sps_warmup_s,
@@ -189,7 +196,8 @@ async def serve(args) -> None:
             register.sts_temperatures.CopyFrom(info.sts_temperatures)
         reporter = SchedulerReporter(args.scheduler_addr, register, load_fn, control.apply,
                                      interval_s=args.report_interval_s,
-                                     step_interval_s=args.step_report_interval_s)
+                                     step_interval_s=args.step_report_interval_s,
+                                     flush_blocks=args.step_report_blocks, flush_max_s=args.step_report_max_s)
 
     def on_step(report) -> None:  # engine thread: cheap bookkeeping only
         metrics.STEP_LATENCY.labels(metrics.batch_tokens_bucket(report.batch_tokens)).observe(report.seconds)

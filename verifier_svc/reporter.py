@@ -2,15 +2,18 @@
 
 The engine thread only appends its step reports to a bounded deque (never blocks, drops the
 oldest when the scheduler is slow); an asyncio task registers, heartbeats the load every
-~0.5 s and flushes the step reports every ~50 ms, all steps since the last flush in one
-ReportSteps call, so the budget that comes back is a few steps old (flushed with the heartbeat,
-it was up to 25 steps old at one request: the first half second of a request drafted on the
-fallback length whatever its drafts were worth; a call per step every 20 ms cost a 2-core host
-8% of its speculative speed in the scheduler's CPU and the engine thread's GIL). If the scheduler is
-gone, calls fail fast, the reports are dropped and the verifier keeps serving with the verify
-budget it last had. `address` may list several scheduler replicas (comma-separated): after a
-failed call the next one is tried, and the verifier registers there (they share the registry
-through Redis).
+~0.5 s and looks at the step reports every ~50 ms, sending all steps since the last flush in one
+ReportSteps call once they are worth a call (`flush_due`): as many drafted blocks as the
+scheduler pools for a budget, a probe's confidences (the way back to drafting while it is off),
+or ~0.25 s since the last. (Flushed with the heartbeat, a budget was up to 25 steps old at one
+request: the first half second of a request drafted on the fallback length whatever its drafts
+were worth. A call per step every 20 ms cost a 2-core host 8% of its speculative speed in the
+scheduler's CPU and the engine thread's GIL, and a call every 50 ms still ~6% at one request:
+the scheduler's ~1.5 ms of CPU a call takes a core from the target's spinning threads.) If the
+scheduler is gone, calls fail fast, the reports are dropped and the verifier keeps serving with
+the verify budget it last had. `address` may list several scheduler replicas (comma-separated):
+after a failed call the next one is tried, and the verifier registers there (they share the
+registry through Redis).
 """
 from __future__ import annotations
 
@@ -27,14 +30,28 @@ from dspark.serving.config import aio_channel
 from dspark.wire import tensor_to_proto
 
 log = logging.getLogger(__name__)
+FLUSH_BLOCKS = 16  # the scheduler's POOLED_BLOCKS: a budget averages over this many drafted blocks
+FLUSH_MAX_S = 0.25
+
+
+def flush_due(blocks: int, probe: bool, since_flush_s: float, min_blocks: int = FLUSH_BLOCKS,
+              max_wait_s: float = FLUSH_MAX_S) -> bool:
+    """Whether the pending step reports are worth a ReportSteps call now: they hold `blocks` drafted
+    blocks (one a request a drafted step), `probe` says one of them drafted without verifying (a
+    probe while the budget is 0: its confidences are what can turn drafting back on), and the last
+    call was `since_flush_s` ago. Fewer blocks than the scheduler pools move its budget little; at
+    16 requests one step holds them all."""
+    return probe or blocks >= min_blocks or since_flush_s >= max_wait_s
 
 
 class SchedulerReporter:
     def __init__(self, address: str, register: scheduler_pb2.RegisterVerifierRequest, load_fn, on_decision,
-                 interval_s: float = 0.5, max_message_mb: float = 16, step_interval_s: float = 0.05):
+                 interval_s: float = 0.5, max_message_mb: float = 16, step_interval_s: float = 0.05,
+                 flush_blocks: int = FLUSH_BLOCKS, flush_max_s: float = FLUSH_MAX_S):
         self.addresses = [a.strip() for a in address.split(",") if a.strip()]
         self.register, self.load_fn, self.on_decision = register, load_fn, on_decision
         self.interval_s, self.step_interval_s = interval_s, min(step_interval_s, interval_s)
+        self.flush_blocks, self.flush_max_s = flush_blocks, max(flush_max_s, self.step_interval_s)
         self.channels = [aio_channel(a, max_message_mb) for a in self.addresses]
         self._current = 0
         self.reports: collections.deque = collections.deque(maxlen=512)
@@ -78,8 +95,20 @@ class SchedulerReporter:
             msg.checked_accepted_len.extend(r.checked_accepted)
         return msg
 
+    def _due(self, pending: list, since_flush_s: float) -> bool:
+        blocks = sum(len(report.req_ids) for _, report, _ in pending)
+        probe = any(report.req_ids and not any(report.verified) for _, report, _ in pending)
+        return flush_due(blocks, probe, since_flush_s, self.flush_blocks, self.flush_max_s)
+
+    async def _flush(self, batch: list) -> None:
+        for version in dict.fromkeys(item[2] for item in batch):  # one drafter version, but for a swap
+            steps = [self._step_proto(*item) for item in batch if item[2] == version]
+            # One call for every step since the last flush (a call per step: see the module doc).
+            decision = await self.stub.ReportSteps(scheduler_pb2.StepReports(steps=steps), timeout=1.0)
+            self.on_decision(decision)  # the budget from the newest confidences, newest temperatures
+
     async def _run(self) -> None:
-        registered, next_heartbeat = False, 0.0
+        registered, next_heartbeat, last_flush = False, 0.0, 0.0
         while True:
             delay = self.step_interval_s
             try:
@@ -94,12 +123,10 @@ class SchedulerReporter:
                     else:
                         decision = await self.stub.Heartbeat(scheduler_pb2.HeartbeatRequest(load=load), timeout=1.0)
                     self.on_decision(decision)
-                batch = [self.reports.popleft() for _ in range(len(self.reports))]
-                for version in dict.fromkeys(item[2] for item in batch):  # one drafter version, but for a swap
-                    steps = [self._step_proto(*item) for item in batch if item[2] == version]
-                    # One call for every step since the last flush (a call per step: see the module doc).
-                    decision = await self.stub.ReportSteps(scheduler_pb2.StepReports(steps=steps), timeout=1.0)
-                    self.on_decision(decision)  # the budget from the newest confidences, newest temperatures
+                pending = list(self.reports)  # the engine thread may append meanwhile: those wait
+                if pending and self._due(pending, time.monotonic() - last_flush):
+                    last_flush = time.monotonic()
+                    await self._flush([self.reports.popleft() for _ in pending])
             except grpc.aio.AioRpcError as error:
                 delay = self.interval_s  # not every 50 ms against a scheduler that is away
                 if registered:
