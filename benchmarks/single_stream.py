@@ -44,6 +44,9 @@ SERVICE_CONFIGS = {  # name -> verifier flags (None: no drafter); lookup on unle
     # newest 4 reports alone (one block each at one request), as before session 32.
     "services scheduler, drafter inside, 4 reports pooled": dict(schedule="on", draft_len=3, drafter="dspark",
                                                                  scheduler=dict(pooled_blocks=0)),
+    # Step reports at every look (50 ms), as before session 37 (now: once they hold 16 blocks).
+    "services scheduler, drafter inside, reports every look": dict(schedule="on", draft_len=3, drafter="dspark",
+                                                                   step_report_blocks=1, step_report_max_s=0.05),
 }
 # DSpark + prompt lookup + the shipped datastore (or not), this process: name -> (k, datastore)
 IN_PROCESS_SPEC = {"in-process k=3": (3, True), "in-process k=7": (7, True), "in-process k=3, no datastore": (3, False)}
