@@ -382,7 +382,8 @@ def test_the_verifiers_step_reports_go_once_they_hold_a_budgets_blocks_or_a_prob
     """The verifier's reporter, against a real scheduler: its first reports go at once, then reports
     wait until they hold as many drafted blocks as a budget pools (fewer move the budget little, and
     each call costs the target's cores ~1.5 ms of the scheduler's CPU), but a probe's confidences,
-    the way back to drafting while the budget is 0, go at the next look. Every report arrives."""
+    the way back to drafting while the budget is 0, go at the next look. Every report arrives, in calls
+the scheduler takes."""
     from dspark.serving.token_metadata import aio_interceptors
     from dspark.speculative.engine import StepReport
     from verifier_svc.reporter import FLUSH_BLOCKS, SchedulerReporter, flush_due
@@ -401,8 +402,8 @@ def test_the_verifiers_step_reports_go_once_they_hold_a_budgets_blocks_or_a_prob
 
     class Recording(SchedulerReporter):
         async def _flush(self, batch):
+            await super()._flush(batch)  # raises unless the scheduler took the call
             sent.append(len(batch))
-            await super()._flush(batch)
 
     async def main():
         reporter = Recording(internal_address(address), scheduler_pb2.RegisterVerifierRequest(
