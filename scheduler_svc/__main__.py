@@ -16,9 +16,10 @@ import logging
 import threading
 
 from dspark.proto_gen.v1 import generation_pb2_grpc, scheduler_pb2_grpc
+from dspark.sched.verify_budget import POOLED_BLOCKS, POOLED_REPORTS
 from dspark.serving.config import common_parser, env
 from dspark.serving.server import GrpcApp, setup_logging
-from scheduler_svc.budget_planner import POOLED_BLOCKS, POOLED_REPORTS, BudgetPlanner
+from scheduler_svc.budget_planner import BudgetPlanner
 from scheduler_svc.calibration_store import make_calibration_store
 from scheduler_svc.k8s_discovery import make_discovery
 from scheduler_svc.online_calibration import OnlineCalibrator

@@ -24,12 +24,10 @@ import numpy as np
 from dspark.sched.calibration import LiveOffset
 from dspark.sched.prefix_scheduler import budget_from_survival
 from dspark.sched.sps import SpsTable
-from dspark.sched.verify_budget import calibrated_survival, pooled_survival
+from dspark.sched.verify_budget import POOLED_BLOCKS, POOLED_REPORTS, calibrated_survival, pooled_survival
 from dspark.serving import metrics
 
 log = logging.getLogger(__name__)
-POOLED_REPORTS = 4
-POOLED_BLOCKS = 16
 STEP_RATIO_WEIGHT = 0.2  # EMA weight of one step's real / modelled time
 
 

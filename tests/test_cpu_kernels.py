@@ -219,7 +219,8 @@ def q8_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Ten
 
 
 needs_gguf_q8 = pytest.mark.skipif(not has_gguf_matmul(),
-                                   reason="no AVX2/FMA/F16C here: gguf-q8 is refused (test_precision)")
+                                   reason="this CPU lacks AVX2/FMA/F16C, so it has no gguf-q8 kernel to test "
+                                          "(test_precision checks that the precision is refused here)")
 
 
 @needs_gguf_q8

@@ -386,10 +386,11 @@ def test_the_verifiers_step_reports_go_once_they_hold_a_budgets_blocks_or_a_prob
 the scheduler takes."""
     from dspark.serving.token_metadata import aio_interceptors
     from dspark.speculative.engine import StepReport
-    from verifier_svc.reporter import FLUSH_BLOCKS, SchedulerReporter, flush_due
+    from dspark.sched.verify_budget import POOLED_BLOCKS
+    from verifier_svc.reporter import SchedulerReporter, flush_due
 
-    assert flush_due(FLUSH_BLOCKS, False, 0.0) and flush_due(0, True, 0.0) and flush_due(1, False, 10.0)
-    assert not flush_due(FLUSH_BLOCKS - 1, False, 0.0)
+    assert flush_due(POOLED_BLOCKS, False, 0.0) and flush_due(0, True, 0.0) and flush_due(1, False, 10.0)
+    assert not flush_due(POOLED_BLOCKS - 1, False, 0.0)
     address, port = schedulers[0]
     rng = np.random.default_rng(5)
     look_s = 0.02

@@ -21,6 +21,7 @@ from dspark.models.loader import DEFAULT_MODEL, load_model
 from dspark.models.precision import add_precision_flag
 from dspark.models.threads import SMALL_HOST_CORES, available_cores, configure_threads, share_gil_with_torch_thread
 from dspark.proto_gen.v1 import generation_pb2_grpc, scheduler_pb2, verifier_pb2_grpc
+from dspark.sched.verify_budget import POOLED_BLOCKS
 from dspark.serving import metrics, tracing
 from dspark.serving.config import common_parser, env
 from dspark.serving.drafter_info import drafter_info
@@ -28,7 +29,7 @@ from dspark.serving.server import GrpcApp, setup_logging
 from dspark.speculative.engine import SpecEngine
 from verifier_svc.budget_control import BudgetControl
 from verifier_svc.remote_drafter import RemoteDrafter, ahead_pays
-from verifier_svc.reporter import FLUSH_BLOCKS, FLUSH_MAX_S, SchedulerReporter, make_load
+from verifier_svc.reporter import FLUSH_MAX_S, SchedulerReporter, make_load
 from verifier_svc.runner import EngineRunner
 from verifier_svc.service import CoreSlot, GenerationService, VerifierCore, VerifierService
 from verifier_svc.step_spans import StepSpans
@@ -97,7 +98,7 @@ def parse_args(argv=None):
                     help="how often the pending step reports (confidences, outcomes) are looked at; they go to "
                          "the scheduler in one call once they hold --step-report-blocks drafted blocks, a probe's "
                          "confidences, or are --step-report-max-s old (docs/results.md, session 37)")
-    ap.add_argument("--step-report-blocks", type=int, env="DSPARK_STEP_REPORT_BLOCKS", default=FLUSH_BLOCKS,
+    ap.add_argument("--step-report-blocks", type=int, env="DSPARK_STEP_REPORT_BLOCKS", default=POOLED_BLOCKS,
                     help="drafted blocks that make the pending step reports worth a call (the scheduler pools "
                          "16 for a budget; 1 = every look)")
     ap.add_argument("--step-report-max-s", type=float, env="DSPARK_STEP_REPORT_MAX_S", default=FLUSH_MAX_S,

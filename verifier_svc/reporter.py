@@ -26,15 +26,15 @@ import grpc
 import torch
 
 from dspark.proto_gen.v1 import load_pb2, scheduler_pb2, scheduler_pb2_grpc
+from dspark.sched.verify_budget import POOLED_BLOCKS
 from dspark.serving.config import aio_channel
 from dspark.wire import tensor_to_proto
 
 log = logging.getLogger(__name__)
-FLUSH_BLOCKS = 16  # the scheduler's POOLED_BLOCKS: a budget averages over this many drafted blocks
 FLUSH_MAX_S = 0.25
 
 
-def flush_due(blocks: int, probe: bool, since_flush_s: float, min_blocks: int = FLUSH_BLOCKS,
+def flush_due(blocks: int, probe: bool, since_flush_s: float, min_blocks: int = POOLED_BLOCKS,
               max_wait_s: float = FLUSH_MAX_S) -> bool:
     """Whether the pending step reports are worth a ReportSteps call now: they hold `blocks` drafted
     blocks (one a request a drafted step), `probe` says one of them drafted without verifying (a
@@ -47,7 +47,7 @@ def flush_due(blocks: int, probe: bool, since_flush_s: float, min_blocks: int = 
 class SchedulerReporter:
     def __init__(self, address: str, register: scheduler_pb2.RegisterVerifierRequest, load_fn, on_decision,
                  interval_s: float = 0.5, max_message_mb: float = 16, step_interval_s: float = 0.05,
-                 flush_blocks: int = FLUSH_BLOCKS, flush_max_s: float = FLUSH_MAX_S):
+                 flush_blocks: int = POOLED_BLOCKS, flush_max_s: float = FLUSH_MAX_S):
         self.addresses = [a.strip() for a in address.split(",") if a.strip()]
         self.register, self.load_fn, self.on_decision = register, load_fn, on_decision
         self.interval_s, self.step_interval_s = interval_s, min(step_interval_s, interval_s)

@@ -33,8 +33,10 @@ using Int8Args = std::tuple<torch::Tensor, torch::Tensor, c10::optional<torch::T
 // GgufLinear's on interleaved blocks: (blocks, qtype, bias).
 using GgufArgs = std::tuple<torch::Tensor, int64_t, c10::optional<torch::Tensor>>;
 
+using MatmulArgs = std::variant<Int8Args, GgufArgs>;
+
 struct Matmul {
-    std::variant<Int8Args, GgufArgs> args;
+    MatmulArgs args;
     torch::Tensor operator()(const torch::Tensor& x) const {
         if (const auto* a = std::get_if<Int8Args>(&args))
             return int8_linear(x, std::get<0>(*a), std::get<1>(*a), std::get<2>(*a), std::get<3>(*a));
@@ -53,10 +55,8 @@ struct Layer {
 
 class LayerStack {
 public:
-    using Args = std::variant<Int8Args, GgufArgs>;
-
-    void add_layer(torch::Tensor norm1, double eps1, const Args& qkv, const Args& o, torch::Tensor norm2,
-                   double eps2, const Args& gate_up, const Args& down, int64_t heads) {
+    void add_layer(torch::Tensor norm1, double eps1, const MatmulArgs& qkv, const MatmulArgs& o, torch::Tensor norm2,
+                   double eps2, const MatmulArgs& gate_up, const MatmulArgs& down, int64_t heads) {
         layers_.push_back(Layer{norm1, norm2, eps1, eps2, {qkv}, {o}, {gate_up}, {down}, heads});
     }
 

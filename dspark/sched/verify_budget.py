@@ -19,6 +19,12 @@ import numpy as np
 from dspark.sched.calibration import apply_sts, sigmoid
 from dspark.sched.prefix_scheduler import budget_from_survival, prefix_survival
 
+# A budget averages the survivals of a verifier's newest POOLED_REPORTS step reports, more while they
+# hold fewer than POOLED_BLOCKS drafted blocks (scheduler_svc.budget_planner; the verifier's reporter
+# waits for as many blocks before a call).
+POOLED_REPORTS = 4
+POOLED_BLOCKS = 16
+
 
 def calibrated_survival(conf_logits, temperatures=None, offset: float = 0.0) -> np.ndarray:
     """Prefix survivals [R, gamma] from raw confidence logits, through STS temperatures
