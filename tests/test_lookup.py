@@ -398,6 +398,38 @@ def test_lookups_stop_where_free_steps_measured_slower_than_plain_ones():
     assert policy.free_gain[1] < 1
 
 
+def test_the_measured_gain_of_free_steps_is_tokens_over_time_and_waits_for_evidence():
+    """Free steps' gain is their tokens over their time (a hit weighs what it gave, not one vote in an
+    average of per-step ratios), and a first rejected guess or two decide nothing: one request once
+    skipped lookups for 200 steps after its first one, and for a third of its steps where hits and
+    misses in turn gave 1.6x plain decoding."""
+    import numpy as np
+
+    from dspark.sched.budget_source import ScheduledBudget
+    from dspark.speculative.policy import FREE_GAIN_MIN_STEPS, ConfidencePolicy
+
+    assert FREE_GAIN_MIN_STEPS > 2
+
+    target = tiny_target()
+    block = LookupDrafter(random_drafter(target, "dspark", gamma=4)).free_draft(["a"], [[3, 4, 3, 4, 3]])
+    policy = ConfidencePolicy(ScheduledBudget(3), free_sps=lambda b: 1.0 / np.maximum(2.0, np.asarray(b, float)),
+                              probe_every=4)
+    assert policy.free_may_pay(1)
+    policy.free_lengths(block, [4])
+    for _ in range(2):  # misses first: 1 token in 3 units where a plain step gives 1 in 2
+        policy.observe_free_step(1, 1, 3.0)
+        assert policy.free_gain[1] < 1 and policy.free_may_pay(1)  # too few steps to stop looking
+    for _ in range(40):  # then hits and misses in turn: 5 tokens in 4 units, 1 in 3 (per step 2.5 and 0.67)
+        policy.observe_free_step(1, 5, 4.0)
+        policy.observe_free_step(1, 1, 3.0)
+        assert policy.free_may_pay(1)
+    assert policy.free_gain[1] == pytest.approx((5 + 1) * 2 / (4 + 3), rel=0.1)  # 1.71: tokens over time
+    for _ in range(40):  # a run where nothing is accepted stops the lookups, but for the looks
+        policy.observe_free_step(1, 1, 3.0)
+    assert policy.free_gain[1] < 1
+    assert [policy.free_may_pay(1) for _ in range(5)] == [False, False, False, False, True]
+
+
 def test_a_policy_that_never_verifies_free_blocks_never_looks_them_up():
     target = tiny_target()
     drafter = LookupDrafter(random_drafter(target, "dspark"))
