@@ -371,15 +371,11 @@ def test_free_lookups_are_skipped_where_guesses_like_the_recent_ones_cannot_pay(
     assert not policy.free_may_pay(1)
 
 
-def test_lookups_stop_where_free_steps_measured_slower_than_plain_ones():
-    """The step-time model can promise what steps do not deliver (a jagged or only profiled table):
-    where free steps gave fewer tokens a second than plain steps of that batch size give, nothing is
-    looked up but for the periodic look, whatever the model says; other batch sizes keep their own
-    measure."""
-    import numpy as np
-
+def _policy_after_a_free_block():
+    """A scheduled policy (budget 0 pending) whose first look found a lookup block, plain steps 2 time
+    units from 1 to 2 requests, and a look every 4 steps."""
     from dspark.sched.budget_source import ScheduledBudget
-    from dspark.speculative.policy import ConfidencePolicy, batch_bucket
+    from dspark.speculative.policy import ConfidencePolicy
 
     target = tiny_target()
     block = LookupDrafter(random_drafter(target, "dspark", gamma=4)).free_draft(["a"], [[3, 4, 3, 4, 3]])
@@ -387,6 +383,18 @@ def test_lookups_stop_where_free_steps_measured_slower_than_plain_ones():
                               probe_every=4)
     assert policy.free_may_pay(1)
     policy.free_lengths(block, [4])
+    return policy
+
+
+def test_lookups_stop_where_free_steps_measured_slower_than_plain_ones():
+    """The step-time model can promise what steps do not deliver (a jagged or only profiled table):
+    where free steps gave fewer tokens a second than plain steps of that batch size give, nothing is
+    looked up but for the periodic look, whatever the model says; other batch sizes keep their own
+    measure."""
+
+    from dspark.speculative.policy import batch_bucket
+
+    policy = _policy_after_a_free_block()
     policy.observe_free_step(1, 3, 4.0)  # 3 tokens in 4 time units where a plain step gives 1 in 2
     assert policy.free_gain == {1: 1.5} and policy.free_may_pay(1)
     for _ in range(10):
@@ -403,19 +411,11 @@ def test_the_measured_gain_of_free_steps_is_tokens_over_time_and_waits_for_evide
     average of per-step ratios), and a first rejected guess or two decide nothing: one request once
     skipped lookups for 200 steps after its first one, and for a third of its steps where hits and
     misses in turn gave 1.6x plain decoding."""
-    import numpy as np
 
-    from dspark.sched.budget_source import ScheduledBudget
-    from dspark.speculative.policy import FREE_GAIN_MIN_STEPS, ConfidencePolicy
+    from dspark.speculative.policy import FREE_GAIN_MIN_STEPS
 
     assert FREE_GAIN_MIN_STEPS > 2
-
-    target = tiny_target()
-    block = LookupDrafter(random_drafter(target, "dspark", gamma=4)).free_draft(["a"], [[3, 4, 3, 4, 3]])
-    policy = ConfidencePolicy(ScheduledBudget(3), free_sps=lambda b: 1.0 / np.maximum(2.0, np.asarray(b, float)),
-                              probe_every=4)
-    assert policy.free_may_pay(1)
-    policy.free_lengths(block, [4])
+    policy = _policy_after_a_free_block()
     for _ in range(2):  # misses first: 1 token in 3 units where a plain step gives 1 in 2
         policy.observe_free_step(1, 1, 3.0)
         assert policy.free_gain[1] < 1 and policy.free_may_pay(1)  # too few steps to stop looking
