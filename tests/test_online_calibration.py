@@ -383,7 +383,7 @@ def test_the_verifiers_step_reports_go_once_they_hold_a_budgets_blocks_or_a_prob
     wait until they hold as many drafted blocks as a budget pools (fewer move the budget little, and
     each call costs the target's cores ~1.5 ms of the scheduler's CPU), but a probe's confidences,
     the way back to drafting while the budget is 0, go at the next look. Every report arrives, in calls
-the scheduler takes."""
+    the scheduler takes."""
     from dspark.serving.token_metadata import aio_interceptors
     from dspark.speculative.engine import StepReport
     from dspark.sched.verify_budget import POOLED_BLOCKS

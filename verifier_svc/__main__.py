@@ -100,7 +100,7 @@ def parse_args(argv=None):
                          "confidences, or are --step-report-max-s old (docs/results.md, session 37)")
     ap.add_argument("--step-report-blocks", type=int, env="DSPARK_STEP_REPORT_BLOCKS", default=POOLED_BLOCKS,
                     help="drafted blocks that make the pending step reports worth a call (the scheduler pools "
-                         "16 for a budget; 1 = every look)")
+                         f"{POOLED_BLOCKS} for a budget; 1 = every look)")
     ap.add_argument("--step-report-max-s", type=float, env="DSPARK_STEP_REPORT_MAX_S", default=FLUSH_MAX_S,
                     help="longest the step reports wait for a call")
     ap.add_argument("--default-max-tokens", type=int, env="DSPARK_DEFAULT_MAX_TOKENS", default=256)

@@ -143,9 +143,13 @@ class ConfidencePolicy:
         self._free_ranked: np.ndarray | None = None  # those rows, best first (ranked once per free block)
         self._free_unlooked = 0  # steps since free blocks were last looked up
         self.lookup_seconds = 0.0  # a free lookup's seconds per request (EMA)
-        self.free_gain: dict[int, float] = {}  # batch bucket -> free steps' tokens/s over plain decoding's
-        # bucket -> (free steps seen, EMA of tokens x plain seconds, EMA of requests x seconds)
+        # batch bucket -> (free steps seen, EMA of tokens x plain seconds, EMA of requests x seconds)
         self._free_sums: dict[int, tuple[int, float, float]] = {}
+
+    @property
+    def free_gain(self) -> dict[int, float]:
+        """batch bucket -> free steps' tokens a second over plain decoding's, as measured."""
+        return {bucket: made / took for bucket, (_, made, took) in self._free_sums.items()}
 
     @property
     def default_draft_len(self) -> int:
@@ -217,8 +221,8 @@ class ConfidencePolicy:
         # step times run short where the table is jagged or only profiled (32 requests: verifying 19
         # guesses a step took 36 ms where plain steps took 22, 13% fewer tokens a second, while the
         # table promised a gain). Below 1 no lookup pays, whatever the model says, but for the looks.
-        bucket = batch_bucket(num_requests)
-        pays = self._free_sums.get(bucket, (0,))[0] < FREE_GAIN_MIN_STEPS or self.free_gain[bucket] >= 1.0
+        steps, made, took = self._free_sums.get(batch_bucket(num_requests), (0, 0.0, 0.0))
+        pays = steps < FREE_GAIN_MIN_STEPS or made >= took
         if pays:
             ranked = self._free_ranked
             rows = ranked[np.linspace(0, len(ranked) - 1, num_requests).round().astype(np.int64)]
@@ -252,7 +256,6 @@ class ConfidencePolicy:
         weight = max(FREE_GAIN_WEIGHT, 1.0 / (steps + 1))
         made, took = old_made + weight * (made - old_made), old_took + weight * (took - old_took)
         self._free_sums[bucket] = steps + 1, made, took
-        self.free_gain[bucket] = made / took
 
     def free_lengths(self, block, draft_lens: list[int]) -> list[int]:
         """The two-step rule's trade-off on this block itself, with no drafting cost: it is already
