@@ -60,18 +60,19 @@ class BudgetPlanner:
         metrics.LIVE_CONFIDENCE_OFFSET.labels(verifier_id).set(offset.value)
         return offset.value
 
-    def observe_step(self, verifier_id: str, requests: int, batch_tokens: int, seconds: float, drafted: bool,
+    def observe_step(self, verifier_id: str, drafted_rows: int, batch_tokens: int, seconds: float, drafted: bool,
                      sps_points, draft_cost_points=()) -> None:
         """A drafted step as it really ran against what the published tables say it costs: the target
         pass at B tokens plus the draft. The tables hold plain steps well (every plain step updates
         B = R), but a drafted step lands on a sparse bucket between warm-up points and costs more than
         its parts on a shared host (the drafter takes in the pushed context beside the pass): fixed
         k = 7 at 4 requests took 95 ms a step where the tables said 50. Plain steps are not used:
-        only those that carry a probe's answer are reported, and the probe ran beside them."""
+        only those that carry a probe's answer are reported, and the probe ran beside them. drafted_rows:
+        the requests the drafter drafted for (the draft-cost table's key; lookup's rows skip it)."""
         sps, draft_cost = seconds_table(sps_points), seconds_table(draft_cost_points)
-        if not drafted or sps is None or draft_cost is None or seconds <= 0 or requests < 1:
+        if not drafted or sps is None or draft_cost is None or seconds <= 0 or drafted_rows < 1:
             return
-        modelled = sps.seconds(batch_tokens) + draft_cost.seconds(requests)
+        modelled = sps.seconds(batch_tokens) + draft_cost.seconds(drafted_rows)
         ratio = float(np.clip(seconds / modelled, 0.25, 4.0))
         old = self.drafted_ratio.get(verifier_id, 1.0)
         self.drafted_ratio[verifier_id] = old + STEP_RATIO_WEIGHT * (ratio - old)
@@ -81,14 +82,17 @@ class BudgetPlanner:
         return self.drafted_ratio.get(verifier_id, 1.0)
 
     def on_report(self, verifier_id: str, step: int, conf_logits: np.ndarray, temperatures, sps_points,
-                  draft_cost_points=()) -> int | None:
+                  draft_cost_points=(), requests: int = 0) -> int | None:
         """One report: on_reports with it alone."""
-        return self.on_reports(verifier_id, [(step, conf_logits)], temperatures, sps_points, draft_cost_points)
+        return self.on_reports(verifier_id, [(step, conf_logits)], temperatures, sps_points, draft_cost_points,
+                               requests)
 
-    def on_reports(self, verifier_id: str, reports, temperatures, sps_points, draft_cost_points=()) -> int | None:
+    def on_reports(self, verifier_id: str, reports, temperatures, sps_points, draft_cost_points=(),
+                   requests: int = 0) -> int | None:
         """Reports [(step, conf_logits)] oldest first, as one ReportSteps call brings them: those newer
-        than the last one used join the pool, then the budget is computed once, from the newest report's
-        requests; returns the budget in force."""
+        than the last one used join the pool, then the budget is computed once, for the newest report's
+        step: its rows are the drafter's, of `requests` in the step (its batch size; 0: the rows alone);
+        returns the budget in force."""
         offset = self.offsets.setdefault(verifier_id, LiveOffset())
         newest = self._newest.get(verifier_id, -1)
         reports = [(step, conf) for step, conf in reports if step > newest and conf.shape[0] > 0]
@@ -107,11 +111,13 @@ class BudgetPlanner:
         draft_seconds = draft_cost.seconds(conf_logits.shape[0]) if draft_cost is not None else 0.0
         pooled = pooled_survival(list(recent), conf_logits.shape[0])
         scale = self.drafted_scale(verifier_id)
-        budget = self.budgets[verifier_id] = budget_from_survival(pooled, sps, draft_seconds, scale, self.min_gain)
-        log.debug("verifier %s step %d: %d requests, offset %.2f, promised %.2f draft tokens, draft %.1f ms, "
-                  "plain step %.1f ms, drafted steps x%.2f -> budget %d", verifier_id, step, conf_logits.shape[0],
-                  offset.value, float(pooled.sum()), 1e3 * draft_seconds, 1e3 * sps.seconds(conf_logits.shape[0]),
-                  scale, budget)
+        requests = max(requests, conf_logits.shape[0])
+        budget = self.budgets[verifier_id] = budget_from_survival(pooled, sps, draft_seconds, scale, self.min_gain,
+                                                                  requests=requests)
+        log.debug("verifier %s step %d: %d requests, %d drafted, offset %.2f, promised %.2f draft tokens, draft %.1f "
+                  "ms, plain step %.1f ms, drafted steps x%.2f -> budget %d", verifier_id, step, requests,
+                  conf_logits.shape[0], offset.value, float(pooled.sum()), 1e3 * draft_seconds,
+                  1e3 * sps.seconds(requests), scale, budget)
         metrics.SCHEDULED_VERIFY_BUDGET.labels(verifier_id).set(budget)
         return budget
 

@@ -311,12 +311,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         temperatures = self._temperatures(drafter_version)
         self._learn(verifier_id, drafter_version, temperatures, [o for o in outcomes if o[0] is not None and any(o[2])])
         sps, draft_cost = known.get("sps", []), known.get("draft_cost", [])
-        for s in steps:
-            self.planner.observe_step(verifier_id, s.batch_size, s.batch_tokens, s.step_latency_s, any(s.verified_len),
-                                      sps, draft_cost)
-        # Every report of the call joins the budget's pool, then the budget is computed once.
-        self.planner.on_reports(verifier_id, [(s.step, conf) for s, conf in zip(steps, confs) if conf is not None],
-                                temperatures, sps, draft_cost)
+        for s in steps:  # the draft-cost table is by the rows the drafter drafted: lookup's are not in a report
+            self.planner.observe_step(verifier_id, len(s.verified_len), s.batch_tokens, s.step_latency_s,
+                                      any(s.verified_len), sps, draft_cost)
+        # Every report of the call joins the budget's pool, then the budget is computed once, for the
+        # newest report's step: its batch, of which the report's rows are the drafter's.
+        drafted = [(s, conf) for s, conf in zip(steps, confs) if conf is not None]
+        self.planner.on_reports(verifier_id, [(s.step, conf) for s, conf in drafted], temperatures, sps, draft_cost,
+                                drafted[-1][0].batch_size if drafted else 0)
         return self._decision(verifier_id, drafter_version)
 
     def _count_outcomes(self, drafter_version: str, steps: list) -> None:

@@ -441,3 +441,33 @@ def test_the_verifiers_step_reports_go_once_they_hold_a_budgets_blocks_or_a_prob
     asyncio.run(main())
     assert any(d.decided for d in decisions)
     assert gauge(scrape(port), "dspark_scheduled_verify_budget", verifier_id="reporter") is not None
+
+
+def test_the_budget_prices_the_drafters_rows_at_their_whole_batch(schedulers):
+    """A report's rows are the drafter's: prompt lookup's rows are not in it. The same sure row asks
+    for a draft when it is the whole step, and for none when it is one row of a 16-request step,
+    where its tokens would not pay for a draft (5 ms) on a 13 ms pass. Before, the row alone was
+    taken for the batch, and one row left to the drafter at 16 requests bought a draft of every row."""
+    address, _ = schedulers[0]
+    channel = internal_channel(internal_address(address))
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    sure = np.full((1, GAMMA), 4.0)  # survives every position with p ~ 0.98 each
+
+    def budget(verifier_id: str, batch_size: int) -> int:
+        verifier_load = load(verifier_id)
+        verifier_load.draft_cost.extend([load_pb2.DraftCostPoint(requests=1, seconds=0.005),
+                                         load_pb2.DraftCostPoint(requests=16, seconds=0.02)])
+        stub.RegisterVerifier(scheduler_pb2.RegisterVerifierRequest(
+            address="127.0.0.1:9", model="synthetic", drafter_kind="dspark", drafter_version=VERSION, gamma=GAMMA,
+            load=verifier_load), timeout=RPC_S)
+        msg = report(verifier_id, 1, sure, [0], [0])  # a probe's confidences: nothing verified
+        msg.batch_size = batch_size
+        reply = stub.ReportSteps(scheduler_pb2.StepReports(steps=[msg]), timeout=RPC_S)
+        assert reply.decided
+        return reply.verify_budget
+
+    try:
+        assert budget("one-request", 1) == GAMMA
+        assert budget("sixteen-requests", 16) == 0
+    finally:
+        channel.close()

@@ -8,6 +8,7 @@ from scipy.stats import chisquare
 
 from dspark.sched.prefix_scheduler import (admit_top_k, budget_from_survival, causal_greedy, lookahead_search,
                                            prefix_survival)
+from dspark.sched.budget_source import TwoStepBudget
 from dspark.sched.sps import SpsTable
 
 
@@ -307,3 +308,23 @@ def test_a_minimum_gain_keeps_plain_decoding_unless_drafting_promises_more():
     assert budget_from_survival(a, sps, draft_seconds=0.01, min_gain=1.3) == 0
     assert budget_from_survival(a, sps, draft_seconds=0.0, min_gain=1.3) == 8  # 1.94x
     assert budget_from_survival(a[:1], sps, draft_seconds=0.01, min_gain=1.3) == 4  # one request: any gain
+
+
+def test_a_row_left_to_the_drafter_is_priced_at_the_whole_step():
+    """Prompt lookup guesses for most requests of a batch and the drafter drafts the rest: the budget
+    for the drafter's rows weighs their tokens against the step of every request, not of those rows."""
+    sps = lambda b: 1.0 / (0.006 + 0.001 * np.asarray(b))  # noqa: E731  7 ms a pass at one token, 22 at 16
+    a = prefix_survival(np.full((1, 4), 0.8))  # one drafter row promising 2.4 draft tokens
+    assert budget_from_survival(a, sps, draft_seconds=0.003) == 4  # alone: 3.4 tokens in 14 ms against 1 in 7
+    # In a 16-request step the same row adds 2.4 tokens to 16 for 7 ms more (a 22 ms pass): not worth it.
+    assert budget_from_survival(a, sps, draft_seconds=0.003, requests=16) == 0
+    assert budget_from_survival(a, sps, draft_seconds=0.003, requests=1) == 4  # fewer than the rows: the rows
+    in_process = TwoStepBudget(sps, default_draft_len=3, draft_cost=lambda rows: 0.003)  # the same, in process
+    in_process.observe(a)
+    assert (in_process.budget(1), in_process.next_budget(1), in_process.budget(16), in_process.next_budget(16)) \
+        == (4, 4, 0, 0)
+    # And the margin asked of batches applies to the batch: 4.4 / 15 ms = 1.29x plain for one row of two.
+    two = lambda b: np.full(np.shape(b), 50.0)  # noqa: E731  20 ms a pass at any B
+    b = prefix_survival(np.full((1, 4), 0.9))
+    assert budget_from_survival(b, two, draft_seconds=0.0, requests=2, min_gain=1.3) == 4  # (2 + 3.1) / 2 = 2.55x
+    assert budget_from_survival(b, two, draft_seconds=0.02, requests=2, min_gain=1.3) == 0  # 2.55 / 2 = 1.27x

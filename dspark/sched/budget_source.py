@@ -27,18 +27,19 @@ class TwoStepBudget:
         self.history: deque[np.ndarray] = deque(maxlen=2)  # prefix survivals of the last drafted steps
         self.from_scheduler = False
 
-    def _from(self, survival: np.ndarray) -> int:
+    def _from(self, survival: np.ndarray, num_requests: int) -> int:
+        """survival: the drafter's rows (lookup's are not its); the step holds num_requests."""
         draft_seconds = float(self.draft_cost(survival.shape[0])) if self.draft_cost is not None else 0.0
-        return budget_from_survival(survival, self.sps, draft_seconds)
+        return budget_from_survival(survival, self.sps, draft_seconds, requests=num_requests)
 
     def budget(self, num_requests: int) -> int:
         if self.history:  # two drafts old once there are two (one draft old before that)
-            return self._from(self.history[0])
+            return self._from(self.history[0], num_requests)
         return self.default_draft_len * num_requests
 
     def next_budget(self, num_requests: int) -> int:
         if self.history:
-            return self._from(self.history[-1])
+            return self._from(self.history[-1], num_requests)
         return self.default_draft_len * num_requests
 
     def tick(self) -> None:
