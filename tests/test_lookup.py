@@ -391,7 +391,6 @@ def test_lookups_stop_where_free_steps_measured_slower_than_plain_ones():
     where free steps gave fewer tokens a second than plain steps of that batch size give, nothing is
     looked up but for the periodic look, whatever the model says; other batch sizes keep their own
     measure."""
-
     from dspark.speculative.policy import batch_bucket
 
     policy = _policy_after_a_free_block()
@@ -411,7 +410,6 @@ def test_the_measured_gain_of_free_steps_is_tokens_over_time_and_waits_for_evide
     average of per-step ratios), and a first rejected guess or two decide nothing: one request once
     skipped lookups for 200 steps after its first one, and for a third of its steps where hits and
     misses in turn gave 1.6x plain decoding."""
-
     from dspark.speculative.policy import FREE_GAIN_MIN_STEPS
 
     assert FREE_GAIN_MIN_STEPS > 2

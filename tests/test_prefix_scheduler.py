@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
+from dspark.sched.budget_source import TwoStepBudget
 from dspark.sched.prefix_scheduler import (admit_top_k, budget_from_survival, causal_greedy, lookahead_search,
                                            prefix_survival)
-from dspark.sched.budget_source import TwoStepBudget
 from dspark.sched.sps import SpsTable
 
 
