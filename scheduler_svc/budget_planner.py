@@ -82,17 +82,18 @@ class BudgetPlanner:
         return self.drafted_ratio.get(verifier_id, 1.0)
 
     def on_report(self, verifier_id: str, step: int, conf_logits: np.ndarray, temperatures, sps_points,
-                  draft_cost_points=(), requests: int = 0) -> int | None:
+                  draft_cost_points=(), requests: int = 0, sample_of: int = 0) -> int | None:
         """One report: on_reports with it alone."""
         return self.on_reports(verifier_id, [(step, conf_logits)], temperatures, sps_points, draft_cost_points,
-                               requests)
+                               requests, sample_of)
 
     def on_reports(self, verifier_id: str, reports, temperatures, sps_points, draft_cost_points=(),
-                   requests: int = 0) -> int | None:
+                   requests: int = 0, sample_of: int = 0) -> int | None:
         """Reports [(step, conf_logits)] oldest first, as one ReportSteps call brings them: those newer
         than the last one used join the pool, then the budget is computed once, for the newest report's
-        step: its rows are the drafter's, of `requests` in the step (its batch size; 0: the rows alone);
-        returns the budget in force."""
+        step: its rows are the drafter's, of `requests` in the step (its batch size; 0: the rows alone),
+        or a probe's sample of them that stands for `sample_of` drafter rows (0: for themselves), and the
+        draft is priced at that many; returns the budget in force."""
         offset = self.offsets.setdefault(verifier_id, LiveOffset())
         newest = self._newest.get(verifier_id, -1)
         reports = [(step, conf) for step, conf in reports if step > newest and conf.shape[0] > 0]
@@ -107,16 +108,17 @@ class BudgetPlanner:
             blocks -= len(recent.popleft())
         step, conf_logits = reports[-1]
         self._newest[verifier_id] = step
+        rows = max(conf_logits.shape[0], int(sample_of))
         draft_cost = seconds_table(draft_cost_points)
-        draft_seconds = draft_cost.seconds(conf_logits.shape[0]) if draft_cost is not None else 0.0
-        pooled = pooled_survival(list(recent), conf_logits.shape[0])
+        draft_seconds = draft_cost.seconds(rows) if draft_cost is not None else 0.0
+        pooled = pooled_survival(list(recent), rows)
         scale = self.drafted_scale(verifier_id)
-        requests = max(requests, conf_logits.shape[0])
+        requests = max(requests, rows)
         budget = self.budgets[verifier_id] = budget_from_survival(pooled, sps, draft_seconds, scale, self.min_gain,
                                                                   requests=requests)
         log.debug("verifier %s step %d: %d requests, %d drafted, offset %.2f, promised %.2f draft tokens, draft %.1f "
                   "ms, plain step %.1f ms, drafted steps x%.2f -> budget %d", verifier_id, step, requests,
-                  conf_logits.shape[0], offset.value, float(pooled.sum()), 1e3 * draft_seconds,
+                  rows, offset.value, float(pooled.sum()), 1e3 * draft_seconds,
                   1e3 * sps.seconds(requests), scale, budget)
         metrics.SCHEDULED_VERIFY_BUDGET.labels(verifier_id).set(budget)
         return budget

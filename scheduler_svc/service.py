@@ -315,10 +315,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self.planner.observe_step(verifier_id, len(s.verified_len), s.batch_tokens, s.step_latency_s,
                                       any(s.verified_len), sps, draft_cost)
         # Every report of the call joins the budget's pool, then the budget is computed once, for the
-        # newest report's step: its batch, of which the report's rows are the drafter's.
+        # newest report's step: its batch, of which the report's rows are the drafter's (or a sample of
+        # sample_of rows that are).
         drafted = [(s, conf) for s, conf in zip(steps, confs) if conf is not None]
+        newest = drafted[-1][0] if drafted else None
         self.planner.on_reports(verifier_id, [(s.step, conf) for s, conf in drafted], temperatures, sps, draft_cost,
-                                drafted[-1][0].batch_size if drafted else 0)
+                                newest.batch_size if newest else 0, newest.sample_of if newest else 0)
         return self._decision(verifier_id, drafter_version)
 
     def _count_outcomes(self, drafter_version: str, steps: list) -> None:

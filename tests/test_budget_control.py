@@ -372,3 +372,27 @@ def test_planner_weighs_drafted_steps_by_how_long_they_really_took():
     for _ in range(20):  # they speed up to what the tables say: drafting pays again
         slow.observe_step("v", 2, 8, 0.027, True, sps, cost)
     assert slow.drafted_scale("v") < 1.1 and slow.on_report("v", 2, z, None, sps, cost) > 0
+
+
+def test_a_probes_sample_is_priced_as_drafting_for_the_rows_it_stands_for():
+    """A probe at a large batch drafts a few requests (PROBE_SAMPLE): their confidences are the level
+    of the batch's, but a budget from them is a draft of every row the drafter would take, priced so.
+    Four sure rows of a 16-request step pay for their own draft (2 ms); as a sample of 16 rows the
+    draft costs 50 ms and does not."""
+    from dspark.sched.budget_source import TwoStepBudget
+    from dspark.speculative.policy import ConfidencePolicy
+
+    sps = [[b, 1.0 / rate] for b, rate in [(1, 100.0), (4, 97.0), (16, 80.0), (32, 60.0), (64, 35.0), (128, 18.0)]]
+    draft_cost = [[1, 0.001], [4, 0.002], [16, 0.05]]
+    sure = np.full((4, GAMMA), 4.0)
+    planner = BudgetPlanner(min_gain=1.3)
+    assert planner.on_report("alone", 1, sure, None, sps, draft_cost, requests=16) == 4 * GAMMA
+    assert planner.on_report("sampled", 1, sure, None, sps, draft_cost, requests=16, sample_of=16) == 0
+    # In process the policy's source gets the sample standing for the rows: the same prices.
+    table, cost = seconds_table(sps), seconds_table(draft_cost)
+    for sample_of, expected in ((0, 4 * GAMMA), (16, 0)):
+        source = TwoStepBudget(table, default_draft_len=3, draft_cost=cost.seconds)
+        policy = ConfidencePolicy(source)
+        policy.lengths(block(sure), [GAMMA] * 4, sample_of)
+        assert len(source.history[-1]) == max(4, sample_of)
+        assert source.next_budget(16) == expected

@@ -471,3 +471,31 @@ def test_the_budget_prices_the_drafters_rows_at_their_whole_batch(schedulers):
         assert budget("sixteen-requests", 16) == 0
     finally:
         channel.close()
+
+
+def test_a_probes_sample_is_priced_as_the_rows_it_stands_for(schedulers):
+    """A probe at 16 requests drafts four (the verifier's PROBE_SAMPLE) and its report says they stand
+    for 16: the draft is priced at 16 rows (50 ms here), not at four (2 ms)."""
+    address, _ = schedulers[0]
+    channel = internal_channel(internal_address(address))
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    sure = np.full((4, GAMMA), 4.0)
+
+    def budget(verifier_id: str, sample_of: int) -> int:
+        verifier_load = load(verifier_id)
+        verifier_load.draft_cost.extend([load_pb2.DraftCostPoint(requests=r, seconds=s)
+                                         for r, s in [(1, 0.001), (4, 0.002), (16, 0.05)]])
+        stub.RegisterVerifier(scheduler_pb2.RegisterVerifierRequest(
+            address="127.0.0.1:9", model="synthetic", drafter_kind="dspark", drafter_version=VERSION, gamma=GAMMA,
+            load=verifier_load), timeout=RPC_S)
+        msg = report(verifier_id, 1, sure, [0] * 4, [0] * 4)
+        msg.batch_size, msg.sample_of = 16, sample_of
+        reply = stub.ReportSteps(scheduler_pb2.StepReports(steps=[msg]), timeout=RPC_S)
+        assert reply.decided
+        return reply.verify_budget
+
+    try:
+        assert budget("four-rows", 0) > 0  # (the temperatures earlier tests fitted apply: not all 28)
+        assert budget("four-of-sixteen", 16) == 0
+    finally:
+        channel.close()

@@ -31,11 +31,12 @@ class SpeculationPolicy(Protocol):
 
     def probe_missed(self) -> None: ...
 
-    def observe_probe(self, conf_logits) -> None: ...
+    # sample_of: the block's (or probe's) drafter rows stand for this many of the batch (0: themselves).
+    def observe_probe(self, conf_logits, sample_of: int = 0) -> None: ...
 
     def observe_outcomes(self, conf_logits, accepted_len, verified_len) -> None: ...
 
-    def lengths(self, block, draft_lens: list[int]) -> list[int]: ...
+    def lengths(self, block, draft_lens: list[int], sample_of: int = 0) -> list[int]: ...
 
     # While drafting is skipped: whether free blocks (lookups, no drafting cost) are worth looking up at
     # this batch, and how much of one to verify.
@@ -46,6 +47,12 @@ class SpeculationPolicy(Protocol):
     def observe_lookup(self, seconds: float, num_requests: int) -> None: ...
 
     def observe_free_step(self, num_requests: int, tokens: int, seconds: float) -> None: ...
+
+
+def standing_for(survival: np.ndarray, rows: int) -> np.ndarray:
+    """A sample's survival rows, repeated in turn to stand for `rows` rows when that is more: a budget
+    from them is then priced as drafting for the batch the sample came from."""
+    return survival if rows <= len(survival) else np.resize(survival, (rows, survival.shape[1]))
 
 
 class FixedDraftLen:
@@ -60,13 +67,13 @@ class FixedDraftLen:
     def probe_missed(self) -> None:
         pass  # never probes
 
-    def observe_probe(self, conf_logits) -> None:
+    def observe_probe(self, conf_logits, sample_of: int = 0) -> None:
         pass  # never probes
 
     def observe_outcomes(self, conf_logits, accepted_len, verified_len) -> None:
         pass  # lengths do not depend on how drafts fared
 
-    def lengths(self, block, draft_lens: list[int]) -> list[int]:
+    def lengths(self, block, draft_lens: list[int], sample_of: int = 0) -> list[int]:
         """block: the DraftBlock (unused here); draft_lens: per-request caps (override, room left)."""
         lengths = [max(0, min(self.default_draft_len, c)) for c in draft_lens]
         self.budget_in_force = sum(lengths)
@@ -184,9 +191,10 @@ class ConfidencePolicy:
             self.probe_interval = self._interval_before_probe
             self.skipped = self.probe_interval - 1
 
-    def observe_probe(self, conf_logits) -> None:
+    def observe_probe(self, conf_logits, sample_of: int = 0) -> None:
         """Confidences of a probe answered in the background: the newest the budget can use."""
-        self.source.observe(calibrated_survival(conf_logits, self.temperatures, self.offset.value))
+        self.source.observe(standing_for(calibrated_survival(conf_logits, self.temperatures, self.offset.value),
+                                         sample_of))
 
     def observe_outcomes(self, conf_logits, accepted_len, verified_len) -> None:
         if hasattr(conf_logits, "cpu"):
@@ -280,7 +288,7 @@ class ConfidencePolicy:
             return np.zeros(len(caps), dtype=np.int64)
         return admit_top_k(survival, budget, caps)
 
-    def lengths(self, block, draft_lens: list[int]) -> list[int]:
+    def lengths(self, block, draft_lens: list[int], sample_of: int = 0) -> list[int]:
         if block is None or block.conf_logits is None:  # no confidences: a fixed length
             lengths = [min(self.default_draft_len, c) for c in draft_lens]
             self.budget_in_force = self.default_draft_len * len(draft_lens)
@@ -299,7 +307,7 @@ class ConfidencePolicy:
         lengths = np.zeros(len(caps), dtype=np.int64)
         drafter = ~lookup
         if drafter.any():
-            self.source.observe(survival[drafter])
+            self.source.observe(standing_for(survival[drafter], sample_of))
             lengths[drafter] = admit_top_k(survival[drafter], self.budget_in_force, caps[drafter])
         if lookup.any():
             lookup_only = np.where(lookup[:, None], survival, 0.0)
