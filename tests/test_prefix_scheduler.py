@@ -39,8 +39,10 @@ def test_sps_extrapolation_is_monotone_safe():
 
 def test_sps_ema_and_dict_round_trip():
     table = SpsTable({2: 0.010}, ema_weight=0.25)
+    assert table.seconds(2) == pytest.approx(0.010)  # an answer before a step must not outlive it
     table.observe(2, 0.020)
     assert table.seconds(2) == pytest.approx(0.0125)
+    assert table.seconds(5) == pytest.approx(0.0125 * 5 / 2)
     table.observe(5, 0.040)  # an unmeasured B starts its own bucket
     assert table.seconds(5) == pytest.approx(0.040)
     restored = SpsTable.from_dict(json.loads(json.dumps(table.to_dict())))
@@ -57,6 +59,7 @@ def test_profile_points_follow_the_live_level_so_a_stale_one_never_makes_more_to
     the live level, and the same guesses are not worth their cost."""
     table = SpsTable()
     table.set_profile({8: 0.025, 16: 0.029, 32: 0.043})
+    assert table.seconds(16) == pytest.approx(0.029)
     for _ in range(30):
         table.observe(16, 0.087)
     assert table.level == pytest.approx(0.087 / 0.029)

@@ -132,6 +132,11 @@ class BudgetControl:
                 self.draft_cost.observe(drafter_rows, report.draft_seconds)
             if not report.drafted and self.drafter is not None and report.batch_size:
                 metrics.DRAFT_SKIPPED_STEPS.inc()
+        if log.isEnabledFor(logging.DEBUG):  # --log-level=DEBUG: every step, for where a step's time goes
+            log.debug("step: %d requests, %d tokens, %.2f ms, drafted %s (%d drafter rows, %.2f ms, %d context rows), "
+                      "verified %s accepted %s", report.batch_size, report.batch_tokens, 1e3 * report.seconds,
+                      report.drafted, len(report.req_ids), 1e3 * report.draft_seconds, report.draft_context_rows,
+                      list(report.verified), list(report.accepted))
         self._drafted_before = report.drafted
         for n in report.verified:
             metrics.VERIFIED_PER_REQUEST.observe(n)

@@ -42,6 +42,11 @@ class SpsTable:
         self.profile: dict[int, float] = {}  # set_profile's points, as measured
         self.live: set[int] = set()  # B observed in live steps since the profile
         self.level = 1.0  # live seconds / profile seconds, an EMA over live steps
+        # Sorted (B, seconds) arrays of the table and the profile, built when first asked for after a
+        # change: the scheduler asks several times a step, and rebuilding them from the dicts took
+        # most of the ~60 us an answer cost.
+        self._table_arrays: tuple[np.ndarray, np.ndarray] | None = None
+        self._profile_arrays: tuple[np.ndarray, np.ndarray] | None = None
 
     def set_profile(self, seconds_by_tokens: dict[int, float]) -> None:
         """Points measured before serving: their shape is kept, their level follows live steps."""
@@ -50,6 +55,7 @@ class SpsTable:
         self.profile = {int(b): float(s) for b, s in seconds_by_tokens.items()}
         self.live, self.level = set(), 1.0
         self.seconds_by_tokens.update(self.profile)
+        self._table_arrays, self._profile_arrays = None, _arrays(self.profile) if self.profile else None
 
     @staticmethod
     def _check(tokens, seconds) -> None:
@@ -77,7 +83,7 @@ class SpsTable:
         self._check(tokens, seconds)
         tokens = int(tokens)
         if self.profile:
-            ratio = seconds / _interpolate(self.profile, tokens)
+            ratio = seconds / _interpolate(self._profile_arrays, tokens)
             self.level = ratio if not self.live else (1.0 - self.ema_weight) * self.level + self.ema_weight * ratio
             for b, profiled in self.profile.items():
                 if b not in self.live:  # this step's B too, the first time: its bucket starts at the level
@@ -88,12 +94,15 @@ class SpsTable:
             self.seconds_by_tokens[tokens] = float(seconds)
         else:
             self.seconds_by_tokens[tokens] = (1.0 - self.ema_weight) * old + self.ema_weight * seconds
+        self._table_arrays = None
 
     def seconds(self, tokens):
         """Step time at B tokens (scalar or array of B)."""
         if not self.seconds_by_tokens:
             raise ValueError("SPS table is empty")
-        return _interpolate(self.seconds_by_tokens, tokens)
+        if self._table_arrays is None:
+            self._table_arrays = _arrays(self.seconds_by_tokens)
+        return _interpolate(self._table_arrays, tokens)
 
     def __call__(self, tokens):
         """SPS(B): steps per second at B tokens (scalar or array of B)."""
@@ -112,10 +121,15 @@ class SpsTable:
         return cls(table, float(data.get("ema_weight", 0.1)))
 
 
-def _interpolate(seconds_by_tokens: dict[int, float], tokens):
-    """Seconds at B by the monotone-safe rules above (scalar or array of B)."""
-    known_b = np.array(sorted(seconds_by_tokens), dtype=np.float64)
-    known_s = np.array([seconds_by_tokens[int(b)] for b in known_b])
+def _arrays(seconds_by_tokens: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
+    """The points as (B ascending, seconds) arrays."""
+    known_b = sorted(seconds_by_tokens)
+    return np.array(known_b, dtype=np.float64), np.array([seconds_by_tokens[b] for b in known_b], dtype=np.float64)
+
+
+def _interpolate(arrays: tuple[np.ndarray, np.ndarray], tokens):
+    """Seconds at B by the monotone-safe rules above (scalar or array of B), on _arrays' points."""
+    known_b, known_s = arrays
     b = np.asarray(tokens, dtype=np.float64)
     inside = np.interp(b, known_b, known_s)  # np.interp clamps to the end values outside
     beyond = known_s[-1] * b / known_b[-1]
