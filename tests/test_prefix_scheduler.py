@@ -52,6 +52,19 @@ def test_sps_ema_and_dict_round_trip():
         table.observe(3, 0.0)
 
 
+def test_sps_answers_one_b_as_it_answers_many():
+    """One B is answered without numpy (after every step): the same seconds as the array path, below,
+    on, between and beyond the measured points."""
+    rng = np.random.default_rng(3)
+    table = SpsTable({int(b): float(s) for b, s in zip(rng.choice(np.arange(1, 200), 9, replace=False),
+                                                        rng.uniform(0.005, 0.05, 9))})
+    queries = np.arange(0, 260)
+    many = table.seconds(queries)
+    assert [table.seconds(int(b)) for b in queries] == pytest.approx(list(many), rel=1e-12)
+    assert [table.seconds(np.int64(b)) for b in queries[:5]] == pytest.approx(list(many[:5]), rel=1e-12)
+    assert table(7) == pytest.approx(1.0 / table.seconds(7))
+
+
 def test_profile_points_follow_the_live_level_so_a_stale_one_never_makes_more_tokens_look_cheaper():
     """Serving, B = 16 took 3x its profile time; B = 24 was never seen live. Interpolating between
     live 16 (87 ms) and the stale profile 32 (43 ms) made 24 tokens cheaper than 16, and verifying

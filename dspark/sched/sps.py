@@ -27,6 +27,8 @@ live steps' seconds / profile(B).
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 
@@ -42,11 +44,11 @@ class SpsTable:
         self.profile: dict[int, float] = {}  # set_profile's points, as measured
         self.live: set[int] = set()  # B observed in live steps since the profile
         self.level = 1.0  # live seconds / profile seconds, an EMA over live steps
-        # Sorted (B, seconds) arrays of the table and the profile, built when first asked for after a
-        # change: the scheduler asks several times a step, and rebuilding them from the dicts took
-        # most of the ~60 us an answer cost.
-        self._table_arrays: tuple[np.ndarray, np.ndarray] | None = None
-        self._profile_arrays: tuple[np.ndarray, np.ndarray] | None = None
+        # The table's and the profile's points sorted (_points), built when first asked for after a
+        # change: the policy asks several times a step, and rebuilding them from the dicts took most
+        # of the ~60 us an answer cost.
+        self._table_points: tuple | None = None
+        self._profile_points: tuple | None = None
 
     def set_profile(self, seconds_by_tokens: dict[int, float]) -> None:
         """Points measured before serving: their shape is kept, their level follows live steps."""
@@ -55,7 +57,7 @@ class SpsTable:
         self.profile = {int(b): float(s) for b, s in seconds_by_tokens.items()}
         self.live, self.level = set(), 1.0
         self.seconds_by_tokens.update(self.profile)
-        self._table_arrays, self._profile_arrays = None, _arrays(self.profile) if self.profile else None
+        self._table_points, self._profile_points = None, _points(self.profile) if self.profile else None
 
     @staticmethod
     def _check(tokens, seconds) -> None:
@@ -83,7 +85,7 @@ class SpsTable:
         self._check(tokens, seconds)
         tokens = int(tokens)
         if self.profile:
-            ratio = seconds / _interpolate(self._profile_arrays, tokens)
+            ratio = seconds / _interpolate(self._profile_points, tokens)
             self.level = ratio if not self.live else (1.0 - self.ema_weight) * self.level + self.ema_weight * ratio
             for b, profiled in self.profile.items():
                 if b not in self.live:  # this step's B too, the first time: its bucket starts at the level
@@ -94,15 +96,15 @@ class SpsTable:
             self.seconds_by_tokens[tokens] = float(seconds)
         else:
             self.seconds_by_tokens[tokens] = (1.0 - self.ema_weight) * old + self.ema_weight * seconds
-        self._table_arrays = None
+        self._table_points = None
 
     def seconds(self, tokens):
         """Step time at B tokens (scalar or array of B)."""
         if not self.seconds_by_tokens:
             raise ValueError("SPS table is empty")
-        if self._table_arrays is None:
-            self._table_arrays = _arrays(self.seconds_by_tokens)
-        return _interpolate(self._table_arrays, tokens)
+        if self._table_points is None:
+            self._table_points = _points(self.seconds_by_tokens)
+        return _interpolate(self._table_points, tokens)
 
     def __call__(self, tokens):
         """SPS(B): steps per second at B tokens (scalar or array of B)."""
@@ -121,17 +123,28 @@ class SpsTable:
         return cls(table, float(data.get("ema_weight", 0.1)))
 
 
-def _arrays(seconds_by_tokens: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
-    """The points as (B ascending, seconds) arrays."""
+def _points(seconds_by_tokens: dict[int, float]) -> tuple[list[float], list[float], np.ndarray, np.ndarray]:
+    """The points, B ascending, as lists (for one B) and as arrays (for many)."""
     known_b = sorted(seconds_by_tokens)
-    return np.array(known_b, dtype=np.float64), np.array([seconds_by_tokens[b] for b in known_b], dtype=np.float64)
+    known_s = [float(seconds_by_tokens[b]) for b in known_b]
+    return [float(b) for b in known_b], known_s, np.array(known_b, dtype=np.float64), np.array(known_s)
 
 
-def _interpolate(arrays: tuple[np.ndarray, np.ndarray], tokens):
-    """Seconds at B by the monotone-safe rules above (scalar or array of B), on _arrays' points."""
-    known_b, known_s = arrays
+def _interpolate(points, tokens):
+    """Seconds at B by the monotone-safe rules above (scalar or array of B), on _points' points. One B
+    is answered in plain Python: numpy's calls on a few points took ~10x longer right after a target
+    pass, and the engine asks after every step."""
+    list_b, list_s, known_b, known_s = points
+    if np.ndim(tokens) == 0:
+        b = float(tokens)
+        if b > list_b[-1]:
+            return list_s[-1] * b / list_b[-1]
+        i = bisect.bisect_left(list_b, b)
+        if i == 0 or list_b[i] == b:
+            return list_s[i]
+        b0, b1, s0, s1 = list_b[i - 1], list_b[i], list_s[i - 1], list_s[i]
+        return s0 + (s1 - s0) * (b - b0) / (b1 - b0)
     b = np.asarray(tokens, dtype=np.float64)
     inside = np.interp(b, known_b, known_s)  # np.interp clamps to the end values outside
     beyond = known_s[-1] * b / known_b[-1]
-    result = np.where(b > known_b[-1], beyond, inside)
-    return float(result) if result.ndim == 0 else result
+    return np.where(b > known_b[-1], beyond, inside)
