@@ -349,11 +349,11 @@ def test_free_lookups_are_skipped_where_guesses_like_the_recent_ones_cannot_pay(
     """Lookups cost time even when nothing is verified: at a batch where verifying guesses like the
     recent free blocks' (sampled by rank, the best for one request) would not pay, none are looked up,
     but for one look every probe_every steps (the rows may have changed); at a batch where it would
-    pay, every step looks. The lookups' own time counts against them."""
+    pay, every step looks. The lookups' own time counts against them, from the model's next verdict on."""
     import numpy as np
 
     from dspark.sched.budget_source import ScheduledBudget
-    from dspark.speculative.policy import ConfidencePolicy
+    from dspark.speculative.policy import FREE_VERDICT_STEPS, ConfidencePolicy
 
     target = tiny_target()
     drafter = LookupDrafter(random_drafter(target, "dspark", gamma=4))
@@ -368,7 +368,8 @@ def test_free_lookups_are_skipped_where_guesses_like_the_recent_ones_cannot_pay(
     assert [policy.free_may_pay(8) for _ in range(5)] == [False, False, False, False, True]
     assert policy.free_may_pay(1)
     policy.observe_lookup(2.0, 1)  # a lookup as long as a step: the one guess no longer pays for it
-    assert not policy.free_may_pay(1)
+    # The model's verdict stands FREE_VERDICT_STEPS steps of one batch size, then it is weighed again.
+    assert [policy.free_may_pay(1) for _ in range(FREE_VERDICT_STEPS)] == [True] * (FREE_VERDICT_STEPS - 1) + [False]
 
 
 def _policy_after_a_free_block():
