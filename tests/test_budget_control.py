@@ -215,9 +215,10 @@ def test_budget_zero_skips_the_drafter_but_probes_and_expires():
     policy, source = control.policy, control.source
     assert policy.should_draft(3)  # no decision yet: the default draft length drafts
     control.apply(decision(0))
-    decisions = [(policy.should_draft(3), policy.probing) for _ in range(60)]
+    decisions = [(policy.should_draft(1), policy.probing) for _ in range(60)]
     probes = [i + 1 for i, (draft, _) in enumerate(decisions) if draft]
-    # The verifier's drafter is remote: the first probe at once, then gaps of 2, 4, 8, 16 (4 x 4) at most.
+    # The verifier's drafter is remote: the first probe at once, then gaps of 2, 4, 8, 16 (4 x 4 at one
+    # request) at most.
     assert probes == [1, 3, 7, 15, 31, 47]
     assert all(probing == draft for draft, probing in decisions)  # each one only a probe: none verified
     assert policy.budget_in_force == 0
@@ -292,8 +293,30 @@ def test_an_in_process_policy_probes_after_probe_every_skipped_steps():
     source = ScheduledBudget(default_draft_len=2, ttl_steps=1000, ttl_s=1e9)
     policy = ConfidencePolicy(source, probe_every=4)
     source.push(0)
-    probes = [i + 1 for i in range(60) if policy.should_draft(3)]
+    probes = [i + 1 for i in range(60) if policy.should_draft(1)]
     assert probes == [4, 12, 28, 44, 60]  # after 4 skipped steps, then 8, then 16 (4 x 4) at most
+
+
+def test_probes_wait_longer_at_more_requests_and_no_longer_than_a_smaller_batch_would():
+    """A steady "no" stands longer the more requests the step has (up to 16 x probe_every from four on):
+    a probe drafts and first takes in what its rows missed, and at many requests drafting rarely pays.
+    A smaller batch waits no longer than its own longest gap."""
+    from dspark.sched.budget_source import ScheduledBudget
+    from dspark.speculative.policy import ConfidencePolicy
+
+    source = ScheduledBudget(default_draft_len=2, ttl_steps=1000, ttl_s=1e9)
+    policy = ConfidencePolicy(source, probe_every=4)
+    source.push(0)
+    probes = [i + 1 for i in range(300) if policy.should_draft(8)]
+    assert probes == [4, 12, 28, 60, 124, 188, 252]  # gaps 8, 16, 32, 64, then 64 (16 x 4) at most
+    assert not any(policy.should_draft(5) for _ in range(10))  # three requests less: the "no" stands
+    # Two requests, 58 steps after the last probe: their longest gap is 32 (8 x 4), so a probe at once,
+    # then 32 steps on.
+    assert [i + 1 for i in range(64) if policy.should_draft(2)] == [1, 33]
+    source.push(1)
+    assert policy.should_draft(2)  # a budget: drafting again, and the gaps start over
+    source.push(0)
+    assert [i + 1 for i in range(12) if policy.should_draft(2)] == [4, 12]
 
 
 def test_a_missed_probe_is_made_again_at_once_and_keeps_the_gaps():

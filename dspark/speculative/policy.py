@@ -92,6 +92,7 @@ class FixedDraftLen:
         pass
 
 
+PROBE_GAP_REQUESTS = 4  # a "no" stands up to 4 x probe_every steps a request of the step, up to this many
 FREE_VERDICT_STEPS = 8  # steps the model's verdict on free lookups stands (free_may_pay)
 FREE_ROWS_KEPT = 64  # rows of recent free blocks that stand for the guesses lookups will find
 LOOKUP_COST_WEIGHT = 0.2  # EMA weight of one free lookup's seconds per request
@@ -116,7 +117,8 @@ class ConfidencePolicy:
     target is compute-bound): the next steps skip the drafter entirely, plain decoding, except for
     a probe after `first_probe` skipped steps (default probe_every), whose drafts refresh the
     confidences the budget is computed from. While probes keep finding 0 the gap between them
-    doubles, up to 4 x probe_every, so a steady "no" costs little; any budget > 0 resets it. A
+    doubles, up to 4 x probe_every at one request and 16 x from four on, so a steady "no" costs
+    little; any budget > 0 resets it, and a smaller batch shortens it to its own longest gap. A
     remote drafter answers a probe in the background (`probing`; the answer comes back through
     `observe_probe`), so a probe costs the target nothing, and the verifier probes from the first
     skipped step on (first_probe = 1): one weak block would otherwise stop drafting for 16 steps.
@@ -176,11 +178,17 @@ class ConfidencePolicy:
             return True
         self.skipped += 1
         self.budget_in_force = 0
+        # A probe drafts for up to four requests and first takes in every position they missed. The more
+        # requests, the less drafting can pay, so the longer a "no" stands; a smaller batch waits no longer
+        # than its own longest gap. (8 requests, drafter inside the verifier: probing after 16-64 skipped
+        # steps cost 4% of plain decoding's tokens/s, probes almost never none; docs/results.md, session 41.)
+        longest = 4 * self.probe_every * min(max(num_requests, 1), PROBE_GAP_REQUESTS)
+        self.probe_interval = min(self.probe_interval, longest)
         if self.skipped < self.probe_interval:
             return False
         self.skipped = 0  # a probe; should it find 0 again, the next one waits longer
         self._interval_before_probe = self.probe_interval
-        self.probe_interval = min(2 * self.probe_interval, 4 * self.probe_every)
+        self.probe_interval = min(2 * self.probe_interval, longest)
         self.probing = True
         return True
 
