@@ -67,8 +67,12 @@ class BudgetPlanner:
         B = R), but a drafted step lands on a sparse bucket between warm-up points and costs more than
         its parts on a shared host (the drafter takes in the pushed context beside the pass): fixed
         k = 7 at 4 requests took 95 ms a step where the tables said 50. Plain steps are not used:
-        only those that carry a probe's answer are reported, and the probe ran beside them. drafted_rows:
-        the requests the drafter drafted for (the draft-cost table's key; lookup's rows skip it)."""
+        only those that carry a probe's answer are reported, and the probe ran beside them. Nor are the
+        steps where the drafter resumed (StepReport.draft_resumed): the draft-cost table leaves them out,
+        and counted here they made drafted steps look 1.3-1.4x dearer than the tables at one request,
+        whose drafted steps follow runs of skipped ones, so the budget was 0 for most of the time
+        (docs/results.md, session 42). drafted_rows: the requests the drafter drafted
+        for (the draft-cost table's key; lookup's rows skip it); drafted: a drafted step to weigh."""
         sps, draft_cost = seconds_table(sps_points), seconds_table(draft_cost_points)
         if not drafted or sps is None or draft_cost is None or seconds <= 0 or drafted_rows < 1:
             return

@@ -313,7 +313,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         sps, draft_cost = known.get("sps", []), known.get("draft_cost", [])
         for s in steps:  # the draft-cost table is by the rows the drafter drafted: lookup's are not in a report
             self.planner.observe_step(verifier_id, len(s.verified_len), s.batch_tokens, s.step_latency_s,
-                                      any(s.verified_len), sps, draft_cost)
+                                      any(s.verified_len) and not s.draft_resumed, sps, draft_cost)
         # Every report of the call joins the budget's pool, then the budget is computed once, for the
         # newest report's step: its batch, of which the report's rows are the drafter's (or a sample of
         # sample_of rows that are).

@@ -171,7 +171,7 @@ def test_budget_control_splits_step_time_into_target_pass_and_drafting():
     control = BudgetControl()
     control.make_policy(SimpleNamespace(gamma=GAMMA, version="v1"), default_draft_len=2)
     first = StepReport(batch_size=2, batch_tokens=6, seconds=0.9, draft_seconds=0.6, drafted=True,
-                       req_ids=["a", "b"], verified=[2, 2], accepted=[1, 0])
+                       req_ids=["a", "b"], verified=[2, 2], accepted=[1, 0], draft_resumed=True)
     control.on_step(first)  # the first draft after skipped steps: not what drafting on costs
     control.on_step(StepReport(batch_size=2, batch_tokens=6, seconds=0.5, draft_seconds=0.2, drafted=True,
                                req_ids=["a", "b"], verified=[2, 2], accepted=[1, 0], draft_context_rows=5))
@@ -188,7 +188,8 @@ def test_budget_control_splits_step_time_into_target_pass_and_drafting():
     assert control.draft_cost.items() == [(2, 0.2)]
     # A draft that first took in the 90 positions of two prompts is catch-up, not what a step costs.
     control.on_step(StepReport(batch_size=2, batch_tokens=6, seconds=1.5, draft_seconds=1.2, drafted=True,
-                               req_ids=["a", "b"], verified=[2, 2], accepted=[1, 0], draft_context_rows=90))
+                               req_ids=["a", "b"], verified=[2, 2], accepted=[1, 0], draft_context_rows=90,
+                               draft_resumed=True))
     assert control.draft_cost.items() == [(2, 0.2)]
     # Prompt lookup filled every row (none in the report): the drafter's model did not run, 0.01 s is
     # no draft's cost. Lookup filled one of two rows: the drafter drafted one, which is what it costs.

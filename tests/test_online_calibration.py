@@ -499,3 +499,36 @@ def test_a_probes_sample_is_priced_as_the_rows_it_stands_for(schedulers):
         assert budget("four-of-sixteen", 16) == 0
     finally:
         channel.close()
+
+
+def test_slow_steps_of_a_resuming_drafter_do_not_make_drafting_look_dear(schedulers):
+    """Drafted steps that took far longer than the verifier's tables say teach the scheduler that
+    drafting costs more than the tables hold, unless the verifier marks them as the drafter resuming
+    (catching up on the positions it skipped, its weights out of the caches): the draft-cost table
+    leaves those out, and so does the scheduler. At one request nearly every drafted step after a run
+    of budget-0 steps is such a step, and counting them kept the budget at 0."""
+    address, _ = schedulers[0]
+    channel = internal_channel(internal_address(address))
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    sure = np.full((1, GAMMA), 4.0)
+
+    def budget_after_slow_steps(verifier_id: str, resumed: bool) -> int:
+        verifier_load = load(verifier_id)
+        verifier_load.draft_cost.append(load_pb2.DraftCostPoint(requests=1, seconds=0.02))
+        stub.RegisterVerifier(scheduler_pb2.RegisterVerifierRequest(
+            address="127.0.0.1:9", model="synthetic", drafter_kind="dspark", drafter_version=VERSION, gamma=GAMMA,
+            load=verifier_load), timeout=RPC_S)
+        steps = []
+        for step in range(1, 21):  # 200 ms where the tables say ~31 (an 11 ms pass and a 20 ms draft)
+            msg = report(verifier_id, step, sure, [GAMMA], [GAMMA])
+            msg.step_latency_s, msg.draft_resumed = 0.2, resumed
+            steps.append(msg)
+        reply = stub.ReportSteps(scheduler_pb2.StepReports(steps=steps), timeout=RPC_S)
+        assert reply.decided
+        return reply.verify_budget
+
+    try:
+        assert budget_after_slow_steps("drafter-resuming", resumed=True) > 0
+        assert budget_after_slow_steps("drafting-slowly", resumed=False) == 0
+    finally:
+        channel.close()

@@ -122,7 +122,8 @@ def test_a_step_reports_the_context_its_draft_took_in_first():
     rows = []
     while engine.has_work():
         engine.step()
-        rows.append((engine.last_report.drafted, engine.last_report.draft_context_rows))
-    assert rows[0] == (False, 0)  # the prefill step drafts nothing
-    assert rows[1] == (True, sum(len(p) for p in prompts))  # both prompts' positions first
-    assert all(n <= 2 * (1 + GAMMA) for drafted, n in rows[2:])  # then what each step decided
+        report = engine.last_report
+        rows.append((report.drafted, report.draft_context_rows, report.draft_resumed))
+    assert rows[0] == (False, 0, False)  # the prefill step drafts nothing
+    assert rows[1] == (True, sum(len(p) for p in prompts), True)  # both prompts' positions first: resumed
+    assert all(n <= 2 * (1 + GAMMA) and not resumed for drafted, n, resumed in rows[2:])  # then each step's

@@ -48,7 +48,6 @@ class BudgetControl:
         self.drafter = None
         self.drafter_version = ""
         self.calibration_version = 0  # of the temperatures in force; 0 = shipped or none
-        self._drafted_before = False  # whether the last step drafted (engine thread)
 
     def make_policy(self, drafter, default_draft_len: int, scheduled: bool = True):
         """ConfidencePolicy on the scheduler's budget (default_draft_len per request as the
@@ -127,8 +126,7 @@ class BudgetControl:
             # probe still running (94 ms at 4 requests where a draft is 22): such samples once made
             # drafting look too dear to ever resume.
             drafter_rows = len(report.req_ids)  # lookup's rows are not in the report
-            intake = report.batch_size * (1 + self.drafter.gamma) if self.drafter is not None else 0
-            if report.drafted and drafter_rows and self._drafted_before and report.draft_context_rows <= intake:
+            if report.drafted and drafter_rows and not report.draft_resumed:
                 self.draft_cost.observe(drafter_rows, report.draft_seconds)
             if not report.drafted and self.drafter is not None and report.batch_size:
                 metrics.DRAFT_SKIPPED_STEPS.inc()
@@ -137,7 +135,6 @@ class BudgetControl:
                       "verified %s accepted %s", report.batch_size, report.batch_tokens, 1e3 * report.seconds,
                       report.drafted, len(report.req_ids), 1e3 * report.draft_seconds, report.draft_context_rows,
                       list(report.verified), list(report.accepted))
-        self._drafted_before = report.drafted
         for n in report.verified:
             metrics.VERIFIED_PER_REQUEST.observe(n)
         if self.source is not None:

@@ -86,7 +86,7 @@ class SchedulerReporter:
         msg = scheduler_pb2.StepReport(
             verifier_id=self.register.load.verifier_id, step=step, batch_size=r.batch_size,
             batch_tokens=r.batch_tokens, step_latency_s=r.seconds, drafter_version=drafter_version,
-            verified_len=r.verified, accepted_len=r.accepted, sample_of=r.sample_of)
+            verified_len=r.verified, accepted_len=r.accepted, sample_of=r.sample_of, draft_resumed=r.draft_resumed)
         if r.conf_logits is not None:
             msg.confidence_logits.CopyFrom(tensor_to_proto(r.conf_logits.to(torch.float32)))
         if r.checked_conf is not None:

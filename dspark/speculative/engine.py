@@ -99,6 +99,10 @@ class StepReport:
     draft_seconds: float = 0.0
     drafted: bool = False  # whether the drafter ran this step (draft_seconds is its cost then)
     draft_context_rows: int = 0  # context positions the drafter took in first (catch-up after skipped steps)
+    # The drafter resumed: it did not draft the step before, or first took in more than a block and its
+    # bonus token a request. Such a draft costs more than drafting that goes on (positions to catch up,
+    # weights out of the caches): no sample of what a drafted step costs.
+    draft_resumed: bool = False
     sample_of: int = 0  # the drafter's rows stand for this many (a probe's sample); 0: for themselves
     # Requests that had a draft block this step, verified or not (verified may be 0): the
     # budget rule needs the confidences of the whole batch, calibration only the verified.
@@ -128,6 +132,7 @@ class SpecEngine(Engine):
         self._checks = ProbeChecks()
         self._probe_starts: dict[str, int] = {}  # greedy requests of the probe in flight: first guessed index
         self._draft_context_rows = 0
+        self._drafter_ran = False  # the drafter drafted the last step (draft_resumed)
         self._free = False  # this step's block is a free one (_free_draft)
         self._probe_turn = 0  # where the next probe's sample starts in the running batch
         self._probe_sample_of = 0  # what the background probe's rows stand for
@@ -345,8 +350,12 @@ class SpecEngine(Engine):
         self._take_checks(step, self.last_report)
         self._push_context(drafted=block is not None and not self._free)
         # A free block (lookup while skipped) is not drafting: no draft cost, nothing for the drafter's tables.
-        self.last_report.draft_seconds, self.last_report.drafted = draft_seconds, block is not None and not self._free
+        drafted = block is not None and not self._free
+        self.last_report.draft_seconds, self.last_report.drafted = draft_seconds, drafted
         self.last_report.draft_context_rows = self._draft_context_rows
+        intake = len(step.seqs) * (1 + self.drafter.gamma) if self.drafter is not None else 0
+        self.last_report.draft_resumed = drafted and (not self._drafter_ran or self._draft_context_rows > intake)
+        self._drafter_ran = drafted
         if self._sample_of:
             self.last_report.sample_of = self._sample_of
         self.last_report.seconds = time.perf_counter() - t0

@@ -39,7 +39,7 @@ class StepReports(_message.Message):
     def __init__(self, steps: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("verifier_id", "step", "batch_size", "batch_tokens", "step_latency_s", "drafter_version", "calibration_version", "confidence_logits", "verified_len", "accepted_len", "checked_confidence_logits", "checked_verified_len", "checked_accepted_len", "sample_of")
+    __slots__ = ("verifier_id", "step", "batch_size", "batch_tokens", "step_latency_s", "drafter_version", "calibration_version", "confidence_logits", "verified_len", "accepted_len", "checked_confidence_logits", "checked_verified_len", "checked_accepted_len", "sample_of", "draft_resumed")
     VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class StepReport(_message.Message):
     CHECKED_VERIFIED_LEN_FIELD_NUMBER: _ClassVar[int]
     CHECKED_ACCEPTED_LEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_OF_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_RESUMED_FIELD_NUMBER: _ClassVar[int]
     verifier_id: str
     step: int
     batch_size: int
@@ -68,4 +69,5 @@ class StepReport(_message.Message):
     checked_verified_len: _containers.RepeatedScalarFieldContainer[int]
     checked_accepted_len: _containers.RepeatedScalarFieldContainer[int]
     sample_of: int
-    def __init__(self, verifier_id: _Optional[str] = ..., step: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., step_latency_s: _Optional[float] = ..., drafter_version: _Optional[str] = ..., calibration_version: _Optional[int] = ..., confidence_logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., verified_len: _Optional[_Iterable[int]] = ..., accepted_len: _Optional[_Iterable[int]] = ..., checked_confidence_logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., checked_verified_len: _Optional[_Iterable[int]] = ..., checked_accepted_len: _Optional[_Iterable[int]] = ..., sample_of: _Optional[int] = ...) -> None: ...
+    draft_resumed: bool
+    def __init__(self, verifier_id: _Optional[str] = ..., step: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., step_latency_s: _Optional[float] = ..., drafter_version: _Optional[str] = ..., calibration_version: _Optional[int] = ..., confidence_logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., verified_len: _Optional[_Iterable[int]] = ..., accepted_len: _Optional[_Iterable[int]] = ..., checked_confidence_logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., checked_verified_len: _Optional[_Iterable[int]] = ..., checked_accepted_len: _Optional[_Iterable[int]] = ..., sample_of: _Optional[int] = ..., draft_resumed: _Optional[bool] = ...) -> None: ...
