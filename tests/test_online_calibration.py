@@ -70,10 +70,13 @@ def load(verifier_id: str) -> load_pb2.VerifierLoad:
                                  sps=[load_pb2.SpsPoint(batch_tokens=b, step_seconds=s) for b, s in SPS])
 
 
-def register(stub, verifier_id: str) -> load_pb2.BudgetDecision:
+def register(stub, verifier_id: str, draft_cost=()) -> load_pb2.BudgetDecision:
+    """draft_cost: [(requests, seconds)] the verifier publishes as its draft-cost table."""
+    verifier_load = load(verifier_id)
+    verifier_load.draft_cost.extend([load_pb2.DraftCostPoint(requests=r, seconds=s) for r, s in draft_cost])
     return stub.RegisterVerifier(scheduler_pb2.RegisterVerifierRequest(
         address="127.0.0.1:9", model="synthetic", drafter_kind="dspark", drafter_version=VERSION, gamma=GAMMA,
-        load=load(verifier_id)), timeout=RPC_S)
+        load=verifier_load), timeout=RPC_S)
 
 
 def report(verifier_id: str, step: int, logits: np.ndarray, accepted, verified) -> scheduler_pb2.StepReport:
@@ -454,12 +457,7 @@ def test_the_budget_prices_the_drafters_rows_at_their_whole_batch(schedulers):
     sure = np.full((1, GAMMA), 4.0)  # survives every position with p ~ 0.98 each
 
     def budget(verifier_id: str, batch_size: int) -> int:
-        verifier_load = load(verifier_id)
-        verifier_load.draft_cost.extend([load_pb2.DraftCostPoint(requests=1, seconds=0.005),
-                                         load_pb2.DraftCostPoint(requests=16, seconds=0.02)])
-        stub.RegisterVerifier(scheduler_pb2.RegisterVerifierRequest(
-            address="127.0.0.1:9", model="synthetic", drafter_kind="dspark", drafter_version=VERSION, gamma=GAMMA,
-            load=verifier_load), timeout=RPC_S)
+        register(stub, verifier_id, [(1, 0.005), (16, 0.02)])
         msg = report(verifier_id, 1, sure, [0], [0])  # a probe's confidences: nothing verified
         msg.batch_size = batch_size
         reply = stub.ReportSteps(scheduler_pb2.StepReports(steps=[msg]), timeout=RPC_S)
@@ -482,12 +480,7 @@ def test_a_probes_sample_is_priced_as_the_rows_it_stands_for(schedulers):
     sure = np.full((4, GAMMA), 4.0)
 
     def budget(verifier_id: str, sample_of: int) -> int:
-        verifier_load = load(verifier_id)
-        verifier_load.draft_cost.extend([load_pb2.DraftCostPoint(requests=r, seconds=s)
-                                         for r, s in [(1, 0.001), (4, 0.002), (16, 0.05)]])
-        stub.RegisterVerifier(scheduler_pb2.RegisterVerifierRequest(
-            address="127.0.0.1:9", model="synthetic", drafter_kind="dspark", drafter_version=VERSION, gamma=GAMMA,
-            load=verifier_load), timeout=RPC_S)
+        register(stub, verifier_id, [(1, 0.001), (4, 0.002), (16, 0.05)])
         msg = report(verifier_id, 1, sure, [0] * 4, [0] * 4)
         msg.batch_size, msg.sample_of = 16, sample_of
         reply = stub.ReportSteps(scheduler_pb2.StepReports(steps=[msg]), timeout=RPC_S)
@@ -513,11 +506,7 @@ def test_slow_steps_of_a_resuming_drafter_do_not_make_drafting_look_dear(schedul
     sure = np.full((1, GAMMA), 4.0)
 
     def budget_after_slow_steps(verifier_id: str, resumed: bool) -> int:
-        verifier_load = load(verifier_id)
-        verifier_load.draft_cost.append(load_pb2.DraftCostPoint(requests=1, seconds=0.02))
-        stub.RegisterVerifier(scheduler_pb2.RegisterVerifierRequest(
-            address="127.0.0.1:9", model="synthetic", drafter_kind="dspark", drafter_version=VERSION, gamma=GAMMA,
-            load=verifier_load), timeout=RPC_S)
+        register(stub, verifier_id, [(1, 0.02)])
         steps = []
         for step in range(1, 21):  # 200 ms where the tables say ~31 (an 11 ms pass and a 20 ms draft)
             msg = report(verifier_id, step, sure, [GAMMA], [GAMMA])

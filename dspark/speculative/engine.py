@@ -348,9 +348,9 @@ class SpecEngine(Engine):
         events = self._commit(step, num_acc, out_tokens, None if self._free else block)
         self._take_probe(self.last_report)
         self._take_checks(step, self.last_report)
-        self._push_context(drafted=block is not None and not self._free)
         # A free block (lookup while skipped) is not drafting: no draft cost, nothing for the drafter's tables.
         drafted = block is not None and not self._free
+        self._push_context(drafted=drafted)
         self.last_report.draft_seconds, self.last_report.drafted = draft_seconds, drafted
         self.last_report.draft_context_rows = self._draft_context_rows
         intake = len(step.seqs) * (1 + self.drafter.gamma) if self.drafter is not None else 0
