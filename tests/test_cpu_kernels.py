@@ -384,7 +384,8 @@ def test_int8_linear_on_amx_tiles_gives_the_vnni_bits(shape, bias):
 
 
 @needs_vnni_int8
-@pytest.mark.parametrize("out_features", [37, 49, 4099])  # a ragged last block; one tile; many tiles
+# a ragged last block; one tile; ties 213 and 320 in one scanned run of tiles, in its two lane sets; many tiles
+@pytest.mark.parametrize("out_features", [37, 49, 640, 4099])
 def test_int8_linear_argmax_is_torch_argmax_of_its_outputs(out_features):
     """The greedy LM head: the index torch.argmax takes from int8_linear's outputs, for random rows and
     rows whose largest output repeats (the first wins), on one thread and on two; NaN rows come back as
@@ -492,6 +493,7 @@ def test_markov_greedy_chain_is_the_torch_chain_with_its_ties_and_nans():
     first = torch.randn(rows, vocab, generator=g).round(decimals=1)
     table = torch.randn(vocab, vocab, generator=g).round(decimals=1).bfloat16()
     base[2, 4, [7, 30]] = float("nan")  # torch.argmax takes the first NaN
+    base[1, 2] = float("-inf")  # no sum above -inf: the first index
 
     def torch_chain():
         picks = [(base[:, 0] + first).argmax(-1)]
@@ -501,6 +503,6 @@ def test_markov_greedy_chain_is_the_torch_chain_with_its_ties_and_nans():
 
     got = ops.markov_greedy_chain(base, first, table)
     assert got.dtype == torch.long and torch.equal(got, torch_chain())
-    assert got[2, 4] == 7
+    assert got[2, 4] == 7 and got[1, 2] == 0
     with pytest.raises(RuntimeError, match="table"):
         ops.markov_greedy_chain(base, first, table.float())

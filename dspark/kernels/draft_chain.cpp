@@ -15,16 +15,57 @@
 
 namespace {
 
-// Index of the maximum of u + b over v entries (b bf16 or fp32), torch.argmax's choice.
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+inline __m512 widen16(const float* p, __mmask16 keep) { return _mm512_maskz_loadu_ps(keep, p); }
+inline __m512 widen16(const c10::BFloat16* p, __mmask16 keep) {  // bf16 -> fp32 is a 16-bit shift: exact
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, p)), 16));
+}
+#endif
+
+// Index of the maximum of u + b over v entries (b bf16 or fp32), torch.argmax's choice: the first
+// index of the maximum, or of the first NaN where there is one. With AVX-512 sixteen lanes keep their
+// largest sum and its first index (strictly larger only) and merge as (largest, then smallest index),
+// the same index as the scalar scans below (which a NaN falls back to); those were ~20 us a slot over
+// 8,192 entries, most of a 3-request greedy chain's 0.42 ms (AMX Xeon, session 43).
 template <typename B>
 int64_t argmax_sum(const float* u, const B* b, int64_t v, float* scratch) {
+#ifdef __AVX512F__
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i index = _mm512_set1_epi32(INT32_MAX);
+    __mmask16 unordered = 0;
+    for (int64_t i = 0; i < v; i += 16) {
+        const __mmask16 keep = v - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (v - i)) - 1);
+        const __m512 s = _mm512_add_ps(widen16(u + i, keep), widen16(b + i, keep));
+        unordered |= _mm512_mask_cmp_ps_mask(keep, s, s, _CMP_UNORD_Q);
+        // -inf everywhere never beats the start: the first index of those lanes stays unset (below).
+        const __mmask16 more = _mm512_mask_cmp_ps_mask(keep, s, best, _CMP_GT_OQ) |
+                               (_mm512_cmp_epi32_mask(index, _mm512_set1_epi32(INT32_MAX), _MM_CMPINT_EQ) & keep);
+        best = _mm512_mask_mov_ps(best, more, s);
+        index = _mm512_mask_mov_epi32(index, more, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(i)), lane));
+    }
+    if (!unordered) {
+        alignas(64) float values[16];
+        alignas(64) int32_t indices[16];
+        _mm512_store_ps(values, best);
+        _mm512_store_si512(indices, index);
+        float top = -INFINITY;
+        int64_t arg = INT32_MAX;
+        for (int l = 0; l < 16; ++l)
+            if (indices[l] != INT32_MAX && (values[l] > top || (values[l] == top && indices[l] < arg)))
+                top = values[l], arg = indices[l];
+        return arg == INT32_MAX ? 0 : arg;
+    }
+#endif
     for (int64_t i = 0; i < v; ++i) scratch[i] = u[i] + static_cast<float>(b[i]);
-    float best = scratch[0];
-    for (int64_t i = 1; i < v; ++i) best = scratch[i] > best ? scratch[i] : best;  // max: vectorized, NaN aside
+    float best_value = scratch[0];
+    for (int64_t i = 1; i < v; ++i) best_value = scratch[i] > best_value ? scratch[i] : best_value;
     for (int64_t i = 0; i < v; ++i)
         if (std::isnan(scratch[i])) return i;
     for (int64_t i = 0; i < v; ++i)
-        if (scratch[i] == best) return i;
+        if (scratch[i] == best_value) return i;
     return 0;
 }
 
