@@ -40,9 +40,7 @@ int64_t argmax_sum(const float* u, const B* b, int64_t v, float* scratch) {
         const __mmask16 keep = v - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (v - i)) - 1);
         const __m512 s = _mm512_add_ps(widen16(u + i, keep), widen16(b + i, keep));
         unordered |= _mm512_mask_cmp_ps_mask(keep, s, s, _CMP_UNORD_Q);
-        // -inf everywhere never beats the start: the first index of those lanes stays unset (below).
-        const __mmask16 more = _mm512_mask_cmp_ps_mask(keep, s, best, _CMP_GT_OQ) |
-                               (_mm512_cmp_epi32_mask(index, _mm512_set1_epi32(INT32_MAX), _MM_CMPINT_EQ) & keep);
+        const __mmask16 more = _mm512_mask_cmp_ps_mask(keep, s, best, _CMP_GT_OQ);
         best = _mm512_mask_mov_ps(best, more, s);
         index = _mm512_mask_mov_epi32(index, more, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(i)), lane));
     }
@@ -54,9 +52,8 @@ int64_t argmax_sum(const float* u, const B* b, int64_t v, float* scratch) {
         float top = -INFINITY;
         int64_t arg = INT32_MAX;
         for (int l = 0; l < 16; ++l)
-            if (indices[l] != INT32_MAX && (values[l] > top || (values[l] == top && indices[l] < arg)))
-                top = values[l], arg = indices[l];
-        return arg == INT32_MAX ? 0 : arg;
+            if (values[l] > top || (values[l] == top && indices[l] < arg)) top = values[l], arg = indices[l];
+        return arg == INT32_MAX ? 0 : arg;  // every sum -inf: no lane took one, torch.argmax gives index 0
     }
 #endif
     for (int64_t i = 0; i < v; ++i) scratch[i] = u[i] + static_cast<float>(b[i]);

@@ -399,7 +399,6 @@ inline void scan_argmax(const float* y, int64_t n, int64_t first, float* best_v,
     if (unordered) nan = 1;
 }
 
-
 // argmax over the outputs of int8_linear(x, ...) for each row, without writing them: the LM head of
 // a greedy step, where only the argmax is wanted (8 rows x 49,152 floats written and then scanned by
 // torch.argmax were 0.35 ms beside the head's 0.89, Zen 4). Each output is the value int8_linear gives
@@ -431,11 +430,11 @@ torch::Tensor int8_linear_argmax(torch::Tensor x, torch::Tensor packed, torch::T
         call.with_tiles([&] {
             for (int64_t c0 = begin; c0 < end; c0 += kArgmaxTiles) {
                 const int64_t c1 = std::min<int64_t>(end, c0 + kArgmaxTiles);
-                int64_t first = 0, outputs = 0;
+                const int64_t first = c0 * width;  // tiles are consecutive runs of outputs
+                int64_t outputs = 0;
                 for (int64_t t = c0; t < c1; ++t) {
                     const auto [tile_first, tile_outputs] = call.tile(xq, t, y.data() + (t - c0) * width, stride);
-                    if (t == c0) first = tile_first;
-                    outputs = tile_first + tile_outputs - first;  // tiles are consecutive outputs
+                    outputs = tile_first + tile_outputs - first;
                 }
                 for (int64_t r = 0; r < rows; ++r)
                     scan_argmax(y.data() + r * stride, outputs, first, lane_value.data() + (me * rows + r) * kOut,
