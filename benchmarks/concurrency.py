@@ -80,9 +80,10 @@ def connected_clients(address: str, count: int) -> list:
 
 
 def run_level(address: str, concurrency: int, prompts: list[str], per_client: int, max_tokens: int,
-              seconds: float = 0.0, stream_interval_ms: int | None = None, clients: list | None = None) -> dict:
+              seconds: float = 0.0, stream_interval_ms: int | None = None, clients: list | None = None,
+              first: int = 0) -> dict:
     """c clients, each sending `per_client` requests one after another, or as many as start within
-    `seconds` when that is > 0. Request i of client c uses prompt (c + i * concurrency) mod |prompts|.
+    `seconds` when that is > 0. Request i of client c uses prompt (first + c + i * concurrency) mod |prompts|.
     Each request is the SDK's generate() (its stream chunked by stream_interval_ms, None = generate()'s
     default). `clients`: c connected clients to use (and leave open), else made and closed here."""
     records, errors = [], []
@@ -95,7 +96,7 @@ def run_level(address: str, concurrency: int, prompts: list[str], per_client: in
             for i in itertools.count():
                 if (time.perf_counter() >= deadline) if seconds > 0 else (i >= per_client):
                     return
-                index = (c + i * concurrency) % len(prompts)
+                index = (first + c + i * concurrency) % len(prompts)
                 start = time.perf_counter()
                 try:
                     result = client.generate(messages=[{"role": "user", "content": prompts[index]}],
@@ -158,7 +159,9 @@ def start_stack(name: str, flags: dict | None, drafter_addr: str, args, log_dir:
 
 def measure(stacks: dict, args, prompts) -> dict[str, list[dict]]:
     """Per concurrency: an unmeasured warm-up on every stack (the scheduler's K follows the new
-    load), then `repeats` rounds over the stacks in rotating order; the median round counts."""
+    load), then `repeats` rounds over the stacks in rotating order; the median round counts. Each
+    round starts at its own place in the prompts (every stack the same), so a verifier does not find a
+    prompt it served a round before still held in a KV slot (prefix reuse) more than users' traffic would."""
     results = {name: [] for name in stacks}
     names = list(stacks)
     # A stack's first minutes are not its steady state: the scheduler's online calibration and
@@ -166,14 +169,16 @@ def measure(stacks: dict, args, prompts) -> dict[str, list[dict]]:
     for name in names:
         run_level(stacks[name], args.warmup_concurrency, prompts, args.warmup_requests, args.max_tokens)
     print("  warmed up", flush=True)
-    for c in args.concurrency:
+    stride = len(prompts) // (len(args.concurrency) * args.repeats + 1)
+    for level, c in enumerate(args.concurrency):
         for name in names:
             run_level(stacks[name], c, prompts, 1, args.max_tokens // 3)
         rounds = {name: [] for name in names}
         for r in range(args.repeats):
+            first = (1 + level * args.repeats + r) * stride
             for name in names[r % len(names):] + names[:r % len(names)]:
                 rounds[name].append(run_level(stacks[name], c, prompts, args.requests_per_client, args.max_tokens,
-                                              args.seconds))
+                                              args.seconds, first=first))
         for name in names:
             row = sorted(rounds[name], key=lambda x: x["total_tps"])[len(rounds[name]) // 2]
             row["spread"] = (min(x["total_tps"] for x in rounds[name]), max(x["total_tps"] for x in rounds[name]))
@@ -215,7 +220,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seconds", type=float, default=6.0,
                     help="a round: each client sends requests back to back for this long (0: one each)")
     ap.add_argument("--requests-per-client", type=int, default=1, help="with --seconds 0")
-    ap.add_argument("--prompts", type=int, default=40, help="eval prompts the clients walk through")
+    ap.add_argument("--prompts", type=int, default=400, help="eval prompts the clients walk through")
     ap.add_argument("--repeats", type=int, default=3, help="measured rounds per configuration and concurrency")
     ap.add_argument("--warmup-concurrency", type=int, default=4)
     ap.add_argument("--warmup-requests", type=int, default=6, help="per client, before any measurement")

@@ -60,6 +60,10 @@ def parse_args(argv=None):
                     help="on: prompt lookup first, here where the tokens are (a request whose text repeats drafts "
                          "what followed before, no round trip; dspark/drafters/lookup.py), the drafter service "
                          "for the rest")
+    ap.add_argument("--prefix-reuse", env="DSPARK_PREFIX_REUSE", default="on", choices=["on", "off"],
+                    help="on: a request whose prompt starts with what a finished request's KV slot still holds (a "
+                         "shared system prompt, a conversation's earlier turns) computes only the rest; the same "
+                         "output (dspark/models/kv_cache.py)")
     ap.add_argument("--datastore", env="DSPARK_DATASTORE", default="auto",
                     help="with --lookup on, where a request's text did not repeat itself: the continuation of its "
                          "suffix in the target's own answers to other prompts (dspark/drafters/datastore.py). auto: "
@@ -184,7 +188,7 @@ async def serve(args) -> None:
     # OpenMP team makes libgomp throttle every worker's spin (more threads than cores).
     engine = await on_torch(SpecEngine, loaded.model, drafter, policy, max_batch=args.max_batch,
                             max_len=args.max_len, context_push_every=args.context_push_every,
-                            draft_ahead=drafter is not None and ahead)
+                            draft_ahead=drafter is not None and ahead, reuse_prefixes=args.prefix_reuse == "on")
     await control.warmup(engine, args.max_batch, run=on_torch)
     metrics.VERIFY_BUDGET.set(policy.budget_in_force)
 

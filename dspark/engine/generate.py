@@ -20,11 +20,14 @@ from dspark.sampling import SamplingParams
 class Engine:
     def __init__(self, model: Transformer, max_batch: int = 32, max_len: int = 2048,
                  max_prefill_tokens: int = 4096, eos_ids: tuple[int, ...] | None = None,
-                 capture_layers: tuple[int, ...] = ()):
+                 capture_layers: tuple[int, ...] = (), reuse_prefixes: bool | None = None):
+        """reuse_prefixes: a new sequence skips the prompt prefix a freed KV slot still holds
+        (scheduler.py); default on, but off where a trainer captures every fed token's states."""
         self.model, self.max_len = model, max_len
         # Data preparation records the target's states of every token it feeds (drafter features).
         self.runner = ModelRunner(model, max_batch, max_len, capture_layers)
-        self.scheduler = Scheduler(self.runner.cache, max_prefill_tokens)
+        reuse = not capture_layers if reuse_prefixes is None else reuse_prefixes
+        self.scheduler = Scheduler(self.runner.cache, max_prefill_tokens, reuse)
         self.eos_ids = tuple(eos_ids if eos_ids is not None else model.config.eos_token_ids)
 
     # Read by load reports, the SPS profiler and tests.

@@ -2,7 +2,10 @@
 
 Admission is first come, first served, into free slots, within a prefill token budget per step
 (one long prompt always gets in alone). A finished or aborted sequence frees its slot at once,
-so a waiting one joins the next step.
+so a waiting one joins the next step. With reuse_prefixes a sequence takes the free slot that
+already holds the longest prefix of its prompt (dspark/models/kv_cache.py) and starts with those
+tokens cached: its prefill computes only the rest (at least the prompt's last token, whose logits
+pick the first output).
 """
 from __future__ import annotations
 
@@ -13,8 +16,8 @@ from dspark.models.kv_cache import KVCache
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, max_prefill_tokens: int = 4096):
-        self.cache, self.max_prefill_tokens = cache, max_prefill_tokens
+    def __init__(self, cache: KVCache, max_prefill_tokens: int = 4096, reuse_prefixes: bool = False):
+        self.cache, self.max_prefill_tokens, self.reuse_prefixes = cache, max_prefill_tokens, reuse_prefixes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -29,7 +32,10 @@ class Scheduler:
         admitted, budget = [], self.max_prefill_tokens
         while self.waiting and self.cache.num_free and (not admitted or len(self.waiting[0].prompt) <= budget):
             seq = self.waiting.popleft()
-            seq.slot = self.cache.allocate()
+            if self.reuse_prefixes:
+                seq.slot, seq.cached, seq.prefix_source = self.cache.allocate_reusing(seq.prompt, len(seq.prompt) - 1)
+            else:
+                seq.slot = self.cache.allocate()
             budget -= len(seq.prompt)
             admitted.append(seq)
         self.running.extend(admitted)
@@ -39,7 +45,8 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         if seq.slot is not None:
-            self.cache.free(seq.slot)
+            # What the slot holds for a later prompt: the positions the sequence had decided.
+            self.cache.free(seq.slot, seq.tokens[:seq.cached] if self.reuse_prefixes else None)
             seq.slot = None
 
     def abort(self, seq: Sequence) -> None:

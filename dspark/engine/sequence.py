@@ -26,6 +26,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     slot: int | None = None
     cached: int = 0  # tokens whose K/V are in the slot
+    prefix_source: int | None = None  # the freed slot whose keys/values of its first `cached` tokens it reused
     finish: FinishReason | None = None
     generator: torch.Generator | None = None
     max_len: int | None = None  # context limit of the engine (prompt + output)

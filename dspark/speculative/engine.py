@@ -119,7 +119,7 @@ class StepReport:
 
 class SpecEngine(Engine):
     def __init__(self, model, drafter: DrafterContract | None = None, policy: SpeculationPolicy | None = None,
-                 context_push_every: int = 1, draft_ahead: bool = True, **kw):
+                 context_push_every: int = 1, draft_ahead: bool = True, reuse_prefixes: bool = True, **kw):
         """context_push_every: while no draft is asked for, a remote drafter gets its new context every
         N-th step only (0: never; the rest goes with the next probe or draft). draft_ahead: a drafter
         that drafts ahead (drafts_ahead) drafts the next block while the target verifies this one."""
@@ -127,7 +127,11 @@ class SpecEngine(Engine):
         self.draft_ahead = draft_ahead
         self.context_push_every, self._steps_unpushed = max(0, context_push_every), 0
         self.policy = policy or FixedDraftLen(drafter.gamma if drafter is not None else 0)
-        super().__init__(model, capture_layers=tuple(drafter.ctx_layers) if drafter is not None else (), **kw)
+        super().__init__(model, capture_layers=tuple(drafter.ctx_layers) if drafter is not None else (),
+                         reuse_prefixes=reuse_prefixes, **kw)
+        # A freed slot's target features, kept with the keys/values it holds: a sequence that reuses
+        # its prefix gives the drafter those positions' features as if its own pass had made them.
+        self._held_features: dict[int, torch.Tensor] = {}
         self.last_report = StepReport()
         self._checks = ProbeChecks()
         self._probe_starts: dict[str, int] = {}  # greedy requests of the probe in flight: first guessed index
@@ -147,6 +151,8 @@ class SpecEngine(Engine):
         return self.add(request.prompt, request.params, request.req_id, request.draft_len)
 
     def _release(self, seq: Sequence) -> None:
+        if self.capture_layers and self.scheduler.reuse_prefixes and seq.slot is not None and seq.cached:
+            self._held_features[seq.slot] = seq.spec.features(0, seq.cached)
         super()._release(seq)
         seq.spec._features = None  # the metrics stay for the caller
         if self.drafter is not None:
@@ -154,6 +160,19 @@ class SpecEngine(Engine):
                 self.drafter.release(seq.req_id)
             except DrafterUnavailable:
                 pass  # the drafter frees it when it notices the request is gone
+
+    def _take_held(self, admitted: list[Sequence]) -> None:
+        """Admitted sequences that start with a prefix a freed slot held get that slot's features of it
+        logged first (the drafter needs every position's); without them the prefix is computed after all."""
+        for seq in admitted:
+            if not seq.cached or not self.capture_layers:
+                continue
+            held = self._held_features.get(seq.prefix_source)
+            if held is None or held.shape[0] < seq.cached:
+                seq.cached = 0
+                self.cache.rollback(seq.slot, 0)
+            else:
+                seq.spec.log_features(held[:seq.cached])
 
     # ---- drafting ---------------------------------------------------------------------------
     def _sync_drafter(self, seq: Sequence) -> int:
@@ -334,6 +353,7 @@ class SpecEngine(Engine):
         t0 = time.perf_counter()
         decoding = list(self.running)  # requests already past their prefill
         admitted = self.scheduler.admit()
+        self._take_held(admitted)
         self._draft_context_rows, self._free, self._sampled, self._sample_of = 0, False, False, 0
         block, lens = self._draft(decoding)
         # One copy to the host, which also waits for a GPU drafter: its time is counted as drafting.
