@@ -420,3 +420,14 @@ def test_a_probes_sample_is_priced_as_drafting_for_the_rows_it_stands_for():
         policy.lengths(block(sure), [GAMMA] * 4, sample_of)
         assert len(source.history[-1]) == max(4, sample_of)
         assert source.next_budget(16) == expected
+
+
+def test_prefix_reuse_is_counted_in_the_verifiers_metrics():
+    from dspark.serving import metrics
+    from dspark.speculative.engine import StepReport
+
+    control = BudgetControl()
+    before = metrics.PREFIX_REUSED_TOKENS._value.get()
+    control.on_step(StepReport(batch_size=2, batch_tokens=40, seconds=0.3, prefill=True, prefix_reused=24))
+    control.on_step(StepReport(batch_size=2, batch_tokens=2, seconds=0.1))
+    assert metrics.PREFIX_REUSED_TOKENS._value.get() - before == 24

@@ -136,6 +136,7 @@ def test_the_drafter_gets_the_same_features_and_seeded_samples_replay():
         one_at_a_time(engine, [prefix + [10, 11]], params)
         seq = engine.add(prefix + [12, 13, 14], params)
         engine.step()  # the prefill: the prefix's features logged (reused) or made (not)
+        assert engine.last_report.prefix_reused == (len(prefix) if reuse else 0)  # the verifier's metric counts it
         features = seq.spec.features(0, seq.cached).clone()
         while engine.has_work():
             engine.step()

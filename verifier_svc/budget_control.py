@@ -137,6 +137,8 @@ class BudgetControl:
                       list(report.verified), list(report.accepted))
         for n in report.verified:
             metrics.VERIFIED_PER_REQUEST.observe(n)
+        if report.prefix_reused:
+            metrics.PREFIX_REUSED_TOKENS.inc(report.prefix_reused)
         if self.source is not None:
             if self.drafter.version != self.drafter_version:  # a new checkpoint: its own calibration
                 log.info("drafter version %s -> %s: temperatures reset", self.drafter_version, self.drafter.version)

@@ -22,6 +22,8 @@ VERIFY_BUDGET_FROM_SCHEDULER = Gauge("dspark_verify_budget_from_scheduler",
                                      "request)")
 SCHEDULED_DRAFT_TOKENS = Counter("dspark_scheduled_draft_tokens", "Draft tokens verified while the scheduler's budget "
                                  "was in force")
+PREFIX_REUSED_TOKENS = Counter("dspark_prefix_reused_tokens", "Prompt tokens new requests took from a freed KV "
+                               "slot instead of computing them (prefix reuse)")
 DRAFT_SKIPPED_STEPS = Counter("dspark_draft_skipped_steps", "Decode steps that skipped the drafter (budget 0: plain "
                               "decoding, drafting would cost more than it saves)")
 VERIFIED_PER_REQUEST = Histogram("dspark_verified_tokens_per_request", "Draft tokens verified per request per step",

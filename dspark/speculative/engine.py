@@ -104,6 +104,7 @@ class StepReport:
     # weights out of the caches): no sample of what a drafted step costs.
     draft_resumed: bool = False
     sample_of: int = 0  # the drafter's rows stand for this many (a probe's sample); 0: for themselves
+    prefix_reused: int = 0  # prompt tokens this step's new requests took from freed KV slots (prefix reuse)
     # Requests that had a draft block this step, verified or not (verified may be 0): the
     # budget rule needs the confidences of the whole batch, calibration only the verified.
     req_ids: list[str] = field(default_factory=list)
@@ -354,6 +355,7 @@ class SpecEngine(Engine):
         decoding = list(self.running)  # requests already past their prefill
         admitted = self.scheduler.admit()
         self._take_held(admitted)
+        prefix_reused = sum(seq.cached for seq in admitted)
         self._draft_context_rows, self._free, self._sampled, self._sample_of = 0, False, False, 0
         block, lens = self._draft(decoding)
         # One copy to the host, which also waits for a GPU drafter: its time is counted as drafting.
@@ -378,6 +380,7 @@ class SpecEngine(Engine):
         self._drafter_ran = drafted
         if self._sample_of:
             self.last_report.sample_of = self._sample_of
+        self.last_report.prefix_reused = prefix_reused
         self.last_report.seconds = time.perf_counter() - t0
         if self._free and not step.num_admitted:  # a decode step that verified free blocks: what it gave
             self.policy.observe_free_step(len(step.seqs), sum(len(new) for _, new in events), self.last_report.seconds)
