@@ -60,25 +60,22 @@ class KVCache:
         if source is not None and reused == len(self._held[source]):
             slot = source
         else:
-            empty = [slot for slot in self._free if slot not in self._held]
-            slot = empty[-1] if empty else self._free[0]
+            slot = next((slot for slot in reversed(self._free) if slot not in self._held), self._free[0])
         self._free.remove(slot)
         self._held.pop(slot, None)
-        if slot != source:
-            for store in (self.k, self.v):
-                for layer in store:
-                    if reused:
-                        layer[slot, :, :reused] = layer[source, :, :reused]
+        if reused and slot != source:
+            for layer in self.k + self.v:
+                layer[slot, :, :reused] = layer[source, :, :reused]
         self.lengths[slot] = reused
         return slot, reused, source
 
     def free(self, slot: int, held: list[int] | None = None) -> None:
-        """held: the tokens whose keys/values the slot holds from position 0 (kept for a later
+        """held: the tokens whose keys/values the slot holds from position 0 (kept as given, for a later
         sequence that starts with them), or None."""
         self.lengths[slot] = 0
         self._free.append(slot)
         if held:
-            self._held[slot] = list(held)
+            self._held[slot] = held
 
     def advance(self, slot: int, length: int) -> None:
         """A pass wrote the slot's keys/values up to position `length`: it holds that many now."""

@@ -166,9 +166,10 @@ class SpecEngine(Engine):
         """Admitted sequences that start with a prefix a freed slot held get that slot's features of it
         logged first (the drafter needs every position's); without them the prefix is computed after all."""
         for seq in admitted:
+            held = self._held_features.get(seq.prefix_source)
+            self._held_features.pop(seq.slot, None)  # the slot's old features: its keys/values are written over
             if not seq.cached or not self.capture_layers:
                 continue
-            held = self._held_features.get(seq.prefix_source)
             if held is None or held.shape[0] < seq.cached:
                 seq.cached = 0
                 self.cache.rollback(seq.slot, 0)
