@@ -10,27 +10,26 @@ All configurations run at once, each as its own scheduler + verifier (sharing on
 service, or each with the drafter inside), so they are measured side by side. Every stack first
 serves some traffic unmeasured (steady state: the online calibration and the live SPS tables have learned); then each
 concurrency level warms every stack up at that load (unmeasured), then runs `--repeats` rounds
-over the stacks in rotating order and keeps each stack's median round. A round is `c` client
-threads, each sending requests one after another for `--seconds` (closed loop; a request
-started before the deadline runs to its end), so a level measures a steady load over many
-prompts rather than one batch whose slowest request decides the wall time (`--seconds 0`: one
-request per client). Each request is the SDK's generate(), whose stream is chunked at most
-every 500 ms (stream_interval_ms). Greedy, prompts from datasets/eval (first turns), each client
-walking through them from its own offset. The drafter is the
-shipped DSpark checkpoint. Prints the table, checks that every configuration produced the same
+over the stacks in rotating order and keeps each stack's median round. A round is `c` clients
+(coroutines of the SDK's AsyncClient on one event loop), each sending requests one after another
+for `--seconds` (closed loop; a request started before the deadline runs to its end), so a level
+measures a steady load over many prompts rather than one batch whose slowest request decides
+the wall time (`--seconds 0`: one request per client). Each request is the SDK's generate(),
+whose stream is chunked at most every 500 ms (stream_interval_ms). Greedy, prompts from
+datasets/eval (first turns), each client walking through them from its own offset. The drafter is
+the shipped DSpark checkpoint. Prints the table, checks that every configuration produced the same
 greedy text (lossless), writes benchmarks/results/concurrency.{json,png}.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
+import asyncio
 import itertools
 import json
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -68,55 +67,78 @@ def eval_prompts(count: int, eval_dir: Path) -> list[str]:
     return [pools[i % len(pools)][i // len(pools)] for i in range(count)]
 
 
-def connected_clients(address: str, count: int) -> list:
-    """Clients connected before the clock starts, as a user's long-lived client is: a level
-    measures generation, not 16 TCP + HTTP/2 handshakes."""
-    from dspark_client import Client, RetryPolicy
+class Users:
+    """`count` long-lived SDK clients, as many users' (connected before the clock starts: a level
+    measures generation, not `count` TCP + HTTP/2 handshakes). Their calls run as coroutines on one
+    event loop in the calling thread (the SDK's AsyncClient), as a load generator holds many
+    streams: a client thread each, at 16 requests of 64 tokens, took ~100 ms of CPU a round
+    (2.5x this) from the two cores the verifier decodes on, and read 0.90x in-process where this
+    reads 0.95x (docs/results.md, session 45)."""
 
-    clients = [Client(address, timeout=1800, retry=RetryPolicy(max_attempts=1)) for _ in range(count)]
-    for client in clients:
-        client.list_models()
-    return clients
+    def __init__(self, address: str, count: int):
+        self.loop = asyncio.new_event_loop()
+        self.clients = self.run(self._connect(address, count))
+
+    @staticmethod
+    async def _connect(address: str, count: int) -> list:
+        from dspark_client import AsyncClient, RetryPolicy
+
+        clients = [AsyncClient(address, timeout=1800, retry=RetryPolicy(max_attempts=1)) for _ in range(count)]
+        for client in clients:
+            await client.list_models()
+        return clients
+
+    def run(self, coroutine):
+        return self.loop.run_until_complete(coroutine)
+
+    def close(self) -> None:
+        async def close_all():
+            await asyncio.gather(*(client.close() for client in self.clients))
+
+        self.run(close_all())
+        self.loop.close()
 
 
 def run_level(address: str, concurrency: int, prompts: list[str], per_client: int, max_tokens: int,
-              seconds: float = 0.0, stream_interval_ms: int | None = None, clients: list | None = None,
+              seconds: float = 0.0, stream_interval_ms: int | None = None, users: Users | None = None,
               first: int = 0) -> dict:
     """c clients, each sending `per_client` requests one after another, or as many as start within
     `seconds` when that is > 0. Request i of client c uses prompt (first + c + i * concurrency) mod |prompts|.
     Each request is the SDK's generate() (its stream chunked by stream_interval_ms, None = generate()'s
-    default). `clients`: c connected clients to use (and leave open), else made and closed here."""
+    default). `users`: at least c connected clients to use (and leave open), else made and closed here."""
     records, errors = [], []
-    owned = clients is None
-    clients = connected_clients(address, concurrency) if owned else clients
+    owned = users is None
+    users = Users(address, concurrency) if owned else users
     interval = {} if stream_interval_ms is None else {"stream_interval_ms": stream_interval_ms}
 
-    def client_loop(c: int) -> None:
-        with clients[c] if owned else contextlib.nullcontext(clients[c]) as client:
-            for i in itertools.count():
-                if (time.perf_counter() >= deadline) if seconds > 0 else (i >= per_client):
-                    return
-                index = (first + c + i * concurrency) % len(prompts)
-                start = time.perf_counter()
-                try:
-                    result = client.generate(messages=[{"role": "user", "content": prompts[index]}],
-                                             max_tokens=max_tokens, temperature=0.0, **interval)
-                except Exception as error:  # reported after the level
-                    errors.append(error)
-                    return
-                records.append(dict(prompt=index, tokens=list(result.token_ids),
-                                    seconds=time.perf_counter() - start, steps=result.metrics.steps,
-                                    draft_tokens=result.metrics.draft_tokens,
-                                    accepted=result.metrics.accepted_tokens))
+    async def client_loop(c: int) -> None:
+        for i in itertools.count():
+            if (time.perf_counter() >= deadline) if seconds > 0 else (i >= per_client):
+                return
+            index = (first + c + i * concurrency) % len(prompts)
+            start = time.perf_counter()
+            try:
+                result = await users.clients[c].generate(messages=[{"role": "user", "content": prompts[index]}],
+                                                         max_tokens=max_tokens, temperature=0.0, **interval)
+            except Exception as error:  # reported after the level
+                errors.append(error)
+                return
+            records.append(dict(prompt=index, tokens=list(result.token_ids),
+                                seconds=time.perf_counter() - start, steps=result.metrics.steps,
+                                draft_tokens=result.metrics.draft_tokens,
+                                accepted=result.metrics.accepted_tokens))
 
-    threads = [threading.Thread(target=client_loop, args=(c,)) for c in range(concurrency)]
-    start = time.perf_counter()
-    deadline = start + seconds
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
+    async def all_clients() -> None:
+        await asyncio.gather(*(client_loop(c) for c in range(concurrency)))
+
+    try:
+        start = time.perf_counter()
+        deadline = start + seconds
+        users.run(all_clients())
+        elapsed = time.perf_counter() - start
+    finally:
+        if owned:
+            users.close()
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed at concurrency {concurrency}: {errors[0]}")
     tokens = sum(len(r["tokens"]) for r in records)

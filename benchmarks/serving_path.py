@@ -4,7 +4,7 @@ text, in one run (issue 13: >= 0.9x in-process at c = 1, >= 0.95x at c = 16).
 
     python benchmarks/serving_path.py [--concurrency 1 16] [--max-tokens 64] [--rounds 3]
 
-A round at concurrency c: c requests at once (c client threads through the services; c sequences
+A round at concurrency c: c requests at once (c clients, the SDK's AsyncClient, through the services; c sequences
 in one continuous batch in process), tokens/s = tokens / wall time. The services are measured
 twice: clients reading a chunk every engine step (stream_interval_ms 0, what a streaming UI asks
 for) and the SDK's generate() (the whole answer; its stream is chunked at most every 500 ms).
@@ -12,7 +12,7 @@ Rounds rotate which side goes first; the median round counts, and so does the me
 services / in-process ratio within each round (steadier on a host whose speed drifts). Also
 prints the verifier's own engine time per step (its Prometheus histogram), so the gap splits into
 engine work and everything around it, and the CPU each hop spends a token (/proc times: the
-verifier's event loop thread, the scheduler process, the client threads of this process).
+verifier's event loop thread, the scheduler process, this process: the clients' event loop).
 Writes benchmarks/results/serving_path.{json,png}.
 """
 from __future__ import annotations
@@ -46,11 +46,11 @@ def in_process_round(engine, prompt_ids: list[list[int]], max_tokens: int) -> di
 
 
 def services_round(address: str, prompts: list[str], max_tokens: int, stream_interval_ms: int | None,
-                   clients: list | None = None) -> dict:
+                   users=None) -> dict:
     from concurrency import run_level
 
     row = run_level(address, len(prompts), prompts, 1, max_tokens, stream_interval_ms=stream_interval_ms,
-                    clients=clients)
+                    users=users)
     return dict(tps=row["total_tps"], outputs=[row["outputs"][i] for i in range(len(prompts))])
 
 
@@ -86,7 +86,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(OUT / "serving_path"))
     args = ap.parse_args(argv)
 
-    from concurrency import connected_clients, eval_prompts
+    from concurrency import Users, eval_prompts
     from service_helpers import free_port, start_scheduler, start_verifier, wait_registered, wait_serving
 
     import torch
@@ -120,13 +120,13 @@ def main(argv=None) -> None:
                 "scheduler": lambda: cpu_seconds(scheduler.proc.pid),
                 "client": lambda: cpu_seconds(os.getpid())}
         for c in args.concurrency:
-            clients = connected_clients(s_addr, c)  # long-lived, as a user's: no handshakes in the rounds
+            users = Users(s_addr, c)  # long-lived, as users': no handshakes in the rounds
             rounds = {side: [] for side in sides}
             for r in range(args.rounds):
                 for side in sides[r % len(sides):] + sides[:r % len(sides)]:  # each side first in turn
                     if side in STREAM_MODES:
                         before, cpu_before = engine_seconds(metrics_url), {h: f() for h, f in hops.items()}
-                        row = services_round(s_addr, prompts[:c], args.max_tokens, STREAM_MODES[side], clients)
+                        row = services_round(s_addr, prompts[:c], args.max_tokens, STREAM_MODES[side], users)
                         after = engine_seconds(metrics_url)
                         tokens = sum(map(len, row["outputs"]))
                         row["cpu_ms_per_token"] = {h: 1e3 * (f() - cpu_before[h]) / tokens for h, f in hops.items()}
@@ -140,8 +140,7 @@ def main(argv=None) -> None:
                     rounds[side].append(row)
                     print(f"c={c:<3} round {r + 1}/{args.rounds} {side:30} {row['tps']:7.2f} tokens/s  "
                           f"engine {row['engine_steps']} steps, {row['engine_step_ms']:.1f} ms/step", flush=True)
-            for client in clients:
-                client.close()
+            users.close()
             reference = rounds["in-process"][0]["outputs"]
             median = {side: statistics.median(r["tps"] for r in rows) for side, rows in rounds.items()}
             step_ms = {side: statistics.median(r["engine_step_ms"] for r in rows) for side, rows in rounds.items()}
