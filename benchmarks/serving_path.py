@@ -4,8 +4,8 @@ text, in one run (issue 13: >= 0.9x in-process at c = 1, >= 0.95x at c = 16).
 
     python benchmarks/serving_path.py [--concurrency 1 16] [--max-tokens 64] [--rounds 3]
 
-A round at concurrency c: c requests at once (c clients, the SDK's AsyncClient, through the services; c sequences
-in one continuous batch in process), tokens/s = tokens / wall time. The services are measured
+A round at concurrency c: c requests at once (c clients, the SDK's AsyncClient, through the
+services; c sequences in one continuous batch in process), tokens/s = tokens / wall time. The services are measured
 twice: clients reading a chunk every engine step (stream_interval_ms 0, what a streaming UI asks
 for) and the SDK's generate() (the whole answer; its stream is chunked at most every 500 ms).
 Rounds rotate which side goes first; the median round counts, and so does the median of the
@@ -27,6 +27,10 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import concurrency
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
@@ -46,7 +50,7 @@ def in_process_round(engine, prompt_ids: list[list[int]], max_tokens: int) -> di
 
 
 def services_round(address: str, prompts: list[str], max_tokens: int, stream_interval_ms: int | None,
-                   users=None) -> dict:
+                   users: concurrency.Users | None = None) -> dict:
     from concurrency import run_level
 
     row = run_level(address, len(prompts), prompts, 1, max_tokens, stream_interval_ms=stream_interval_ms,
