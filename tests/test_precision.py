@@ -290,3 +290,32 @@ def test_a_pass_gives_the_same_bits_on_one_thread_and_on_two(precision):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+
+
+@pytest.mark.parametrize("precision", ["int8", pytest.param("gguf-q8", marks=pytest.mark.skipif(
+    not prec.has_gguf_matmul(), reason="no AVX2/FMA/F16C here: gguf-q8 is refused"))], indirect=True)
+def test_a_drafters_layers_in_one_call_draft_what_the_layer_loop_drafts(precision):
+    """On the int8 (VNNI) and gguf-q8 kernels a parallel drafter runs its layers as the target's
+    LayerStack (one C++ call): the same kernels in the same order as the Python loop over
+    cached_forward, so the same hidden states bit for bit, and the same tokens and confidences."""
+    target = tiny_target()
+    drafter = random_drafter(target, "dspark")
+    prec.apply_precision(drafter, precision)
+    tokens = torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(2))
+    features = target(VarlenBatch.build([tokens.tolist()], [0]), capture_layers=drafter.ctx_layers,
+                      logits_rows=None).features
+    drafter.extend_context("a", features[:17], tokens[:17])
+    drafter.extend_context("b", features[:9], tokens[:9])
+    stacked = drafter._layer_stack()
+    fused_kernels = all(getattr(m, "kernel", None) is not None for m in drafter.modules() if isinstance(m, prec.Int8Linear))
+    assert (stacked is not None) == (precision == "gguf-q8" or fused_kernels)
+
+    def draft():
+        args = ["a", "b"], tokens[torch.tensor([17, 9])], torch.zeros(2), [None, None]
+        return drafter.draft(*args), drafter.draft(*args, return_logits=True).logits
+
+    (block, logits) = draft()
+    drafter.__dict__["_stack"] = None  # the per-layer loop
+    (looped, looped_logits) = draft()
+    assert torch.equal(logits, looped_logits)
+    assert torch.equal(block.tokens, looped.tokens) and torch.equal(block.conf_logits, looped.conf_logits)

@@ -91,6 +91,14 @@ class BlockDecoderLayer(nn.Module):
         k, v = self._project(h_ctx, query=False)
         return apply_rotary(k, cos, sin), v
 
+    def stack_parts(self) -> tuple | None:
+        """What dspark.models.transformer.layer_stack takes of a layer (cached_forward's kernels, in its
+        order); None before fuse_projections."""
+        if not (hasattr(self, "qkv_proj") and hasattr(self.mlp, "gate_up_proj")):
+            return None
+        return (self.input_layernorm, self.qkv_proj, self.o_proj, self.post_attention_layernorm,
+                self.mlp.gate_up_proj, self.mlp.down_proj, self.heads)
+
     def cached_forward(self, x, delta, rope, k_cache, v_cache, where):
         """Drafting on the CPU kernels (after fuse_projections), as the target's fused layer: adds the
         previous layer's output `delta` to the block rows x [N, d] in place and returns this layer's

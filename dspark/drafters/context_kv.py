@@ -56,6 +56,14 @@ class ContextKV:
             self.v[layer][slot, :, start:end] = v.transpose(0, 1)
         self._len[req_id] = end
 
+    def claim(self, req_id: str, n: int) -> tuple[int, int]:
+        """Room for the request's next n positions, counted as held: (slot, first position) for a caller
+        that writes them into every layer itself (the CPU kernels' rope_cache_write)."""
+        slot, start = self.slot(req_id), self.length(req_id)
+        self.reserve(start + n)
+        self._len[req_id] = start + n
+        return slot, start
+
     def truncate(self, req_id: str, n: int) -> None:
         if n < 0 or n > self.length(req_id):
             raise ValueError(f"cannot keep {n} of {self.length(req_id)} context positions of {req_id!r}")

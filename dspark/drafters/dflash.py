@@ -15,7 +15,8 @@ from dspark.drafters.block_layer import BlockDecoderLayer
 from dspark.drafters.context_kv import ContextKV
 from dspark.drafters.heads import CompactTokenTable, MarkovHead, run_teacher_forced
 from dspark.kernels.cpu import kernels
-from dspark.models.layers import RMSNorm, Rotary, apply_rotary, fuse_linears, rope_tables
+from dspark.models.layers import RMSNorm, Rotary, apply_rotary, fuse_linears
+from dspark.models.transformer import layer_stack
 
 
 class ParallelDrafter(Drafter):
@@ -117,7 +118,17 @@ class ParallelDrafter(Drafter):
             raise ValueError(f"{features.shape[0]} feature rows for {tokens.shape[0]} tokens")
         if features.shape[0] == 0:
             return
-        self.contexts.append(req_id, self.context_kv(features.to(self.lm_head_draft.device), self.context_len(req_id)))
+        features = features.to(self.lm_head_draft.device)
+        if self._on_cpu_kernels() and hasattr(self, "context_kv_proj"):
+            # Every layer's keys rotated and written with the values by one kernel call (context_kv's math).
+            kv = self.context_kv_proj(self.context_states(features))
+            slot, start = self.contexts.claim(req_id, kv.shape[0])
+            positions = torch.arange(start, start + kv.shape[0], device=kv.device)
+            cos, signed_sin = self.rotary.rope_rows(positions, start + kv.shape[0])
+            kernels().rope_cache_write(kv, cos, signed_sin, self.contexts.k, self.contexts.v,
+                                       torch.full_like(positions, slot), positions)
+            return
+        self.contexts.append(req_id, self.context_kv(features, self.context_len(req_id)))
 
     @torch.no_grad()
     def draft(self, req_ids, anchors, temperatures, generators, forced_tokens=None, return_logits=False,
@@ -152,14 +163,30 @@ class ParallelDrafter(Drafter):
         self.contexts.reserve(max(lengths) + g)
         x = self.block_inputs(anchors).reshape(R * g, -1)
         device = anchors.device  # the CPU: these kernels are CPU ones
-        cos, sin = self.rotary.cos_sin(torch.tensor([s + j for s in starts for j in range(g)], device=device))
-        rope = rope_tables(cos, sin)
-        rows = torch.tensor([[slot, n + j, n + g] for slot, n in zip(slots, lengths) for j in range(g)], device=device)
-        where = (rows[:, 0], rows[:, 1], rows[:, 2])  # slot, write position, keys seen
-        delta = None
-        for i, layer in enumerate(self.layers):
-            delta = layer.cached_forward(x, delta, rope, self.contexts.k[i], self.contexts.v[i], where)
+        # Per row: slot, write position, keys seen, rotation position.
+        rows = torch.tensor([[slot, n + j, n + g, s + j] for slot, n, s in zip(slots, lengths, starts) for j in range(g)],
+                            device=device).T.contiguous()
+        cos, signed_sin = self.rotary.rope_rows(rows[3], max(starts) + g)
+        stack = self._layer_stack()
+        if stack is not None:  # the loop below in one call
+            delta, _ = stack.forward(x, cos, signed_sin, self.contexts.k, self.contexts.v, rows[0], rows[1], [], rows[2])
+        else:
+            delta, rope, where = None, (cos[:, None], signed_sin[:, None]), (rows[0], rows[1], rows[2])
+            for i, layer in enumerate(self.layers):
+                delta = layer.cached_forward(x, delta, rope, self.contexts.k[i], self.contexts.v[i], where)
         return kernels().add_rms_norm(x, delta, self.norm.weight, self.norm.eps, False).view(R, g, -1)
+
+    def _layer_stack(self):
+        """The layers as one kernels().LayerStack (the target's: cached_forward's kernels in its order, so
+        the same bits; a draft's glue between its 16 kernel calls cost more than some of them), made
+        at the first draft on the CPU kernels; None where the kernels are not int8 or gguf-q8."""
+        if "_stack" not in self.__dict__:
+            self.__dict__["_stack"] = layer_stack(self.layers)
+        return self.__dict__["_stack"]
+
+    def use_precision(self, precision: str) -> None:
+        super().use_precision(precision)
+        self.__dict__.pop("_stack", None)  # the layers' matmuls change: made again at the next draft
 
     def sample_block(self, hidden, anchors, temperatures, generators, forced_tokens, return_logits) -> DraftBlock:
         """Left to right: x_k ~ q_k from U_k (+ B_k(x_{k-1})), x_0 = the anchor."""
@@ -198,14 +225,22 @@ class ParallelDrafter(Drafter):
         token comes from a table built once (every slot after the first follows a draft token), and
         the confidence's h_k part is computed for all slots at once. Same tokens and support."""
         R = hidden.shape[0]
-        prev_emb = self.prev_embedding(anchors) if self.head is not None else None
         rows = self._draft_token_rows() if self.head is not None else None
+        prev_emb = None
+        if rows is not None:  # W1 of the anchors: rows of the table when all are draft tokens (most are)
+            index = self.to_draft_index(anchors)
+            prev_emb = rows[index] if bool((index >= 0).all()) else self.prev_embedding(anchors)
         biases = self._draft_token_biases()
+        support = min(self.cfg.support_size, base.shape[-1])
+        if biases is not None and kernels() is not None:  # the chain and all that follows it in one call
+            scored = self.confidence_head
+            tokens, confs, support_ids, support_probs = kernels().markov_greedy_block(
+                base, self.head.W2(prev_emb), biases, self.draft_vocab, support,
+                *((hidden, prev_emb, rows, scored.proj.weight[0], float(scored.proj.bias[0])) if scored else ()))
+            return DraftBlock(tokens=tokens, conf_logits=confs, support_ids=support_ids, support_probs=support_probs)
         conf_h, w_prev = self.confidence_head.split(hidden) if self.confidence_head is not None else (None, None)
         if self.head is None:
             picks = base.argmax(-1)
-        elif biases is not None and kernels() is not None:  # the chain in one call
-            picks = kernels().markov_greedy_chain(base, self.head.W2(prev_emb), biases)
         else:
             picks = []
             for k in range(self.gamma):  # the chain itself: a row lookup, an add and an argmax a slot
@@ -221,7 +256,6 @@ class ParallelDrafter(Drafter):
                 conf_h + torch.cat([prev_emb[:, None], rows[picks[:, :-1]]], dim=1) @ w_prev
         tokens = self.draft_vocab[picks]
         # The general loop's greedy support: the token with probability 1, padded with draft id 0.
-        support = min(self.cfg.support_size, base.shape[-1])
         support_ids = self.draft_vocab[0].expand(R, self.gamma, support).clone()
         support_ids[..., 0] = tokens
         support_probs = torch.zeros(R, self.gamma, support, device=hidden.device)

@@ -489,12 +489,13 @@ inline void rope(const float* x, const float* cos, const float* signed_sin, int6
 }
 
 // Each new row's rotated k and its v into the row's slot at its position (before any row attends:
-// a block's later rows read the earlier ones' keys).
+// a block's later rows read the earlier ones' keys). A row holds heads q heads, then kv_heads k
+// heads and kv_heads v heads; rows lie row_stride floats apart (0: just that wide).
 template <typename T>
 void write_rows(const float* qkv, const float* cos, const float* signed_sin, T* kc, T* vc, const int64_t* slots,
                 const int64_t* positions, int64_t rows, int64_t heads, int64_t kv_heads, int64_t hd,
-                int64_t max_len) {
-    const int64_t width = (heads + 2 * kv_heads) * hd;
+                int64_t max_len, int64_t row_stride = 0) {
+    const int64_t width = row_stride ? row_stride : (heads + 2 * kv_heads) * hd;
     std::vector<float> rotated(hd);  // a bf16 cache's key before its rounding
     for (int64_t r = 0; r < rows; ++r) {
         const float* row = qkv + r * width;
@@ -634,6 +635,39 @@ torch::Tensor rope_cache_attention(torch::Tensor qkv, torch::Tensor cos, torch::
     return bf16_out ? out.to(torch::kBFloat16) : out;
 }
 
+// A parallel drafter's new context rows into its per-layer caches: kv [N, layers * 2 * KV * hd] float32,
+// each layer's k heads then v heads (its fused k|v projection of the rows); every layer's k rotated and
+// written with its v at the row's slot and position, as rope_cache_attention writes a layer's. One call
+// for all layers instead of a rotation, a split and two copies a layer from Python.
+void rope_cache_write(torch::Tensor kv, torch::Tensor cos, torch::Tensor signed_sin,
+                      const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                      torch::Tensor slots, torch::Tensor positions) {
+    TORCH_CHECK(kv.dim() == 2 && kv.scalar_type() == torch::kFloat32, "kv must be [N, layers * 2 * KV * hd] float32");
+    TORCH_CHECK(!k_caches.empty() && k_caches.size() == v_caches.size(), "one key and one value cache a layer");
+    kv = kv.contiguous();
+    slots = slots.contiguous();
+    positions = positions.contiguous();
+    const int64_t rows = kv.size(0), layers = static_cast<int64_t>(k_caches.size());
+    const int64_t kv_heads = k_caches[0].size(1), max_len = k_caches[0].size(2), hd = k_caches[0].size(3);
+    const int64_t layer_width = 2 * kv_heads * hd;
+    TORCH_CHECK(kv.size(1) == layers * layer_width, "kv width and the caches differ");
+    TORCH_CHECK(cos.sizes() == signed_sin.sizes() && cos.size(0) == rows && cos.size(-1) == hd &&
+                cos.scalar_type() == torch::kFloat32 && signed_sin.scalar_type() == torch::kFloat32,
+                "cos and signed_sin must be [N, hd] float32");
+    cos = cos.contiguous();
+    signed_sin = signed_sin.contiguous();
+    for (int64_t i = 0; i < layers; ++i) {
+        const torch::Tensor& kc = k_caches[i];
+        const torch::Tensor& vc = v_caches[i];
+        check_cache_rows(kc, vc, slots, positions, rows);
+        TORCH_CHECK(kc.scalar_type() == torch::kFloat32 && kc.size(1) == kv_heads && kc.size(2) == max_len &&
+                    kc.size(3) == hd, "every layer's cache float32 and alike");
+        write_rows(kv.data_ptr<float>() + i * layer_width, cos.data_ptr<float>(), signed_sin.data_ptr<float>(),
+                   kc.data_ptr<float>(), vc.data_ptr<float>(), slots.data_ptr<int64_t>(),
+                   positions.data_ptr<int64_t>(), rows, 0, kv_heads, hd, max_len, kv.size(1));
+    }
+}
+
 // w * x / sqrt(mean(x^2) + eps) of one row, its sum of squares in a fixed lane order.
 template <typename T>
 inline void norm_row(const float* row, const float* w, int64_t d, float eps, T* out) {
@@ -764,6 +798,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("signed_sin"), pybind11::arg("k_cache"),
           pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("positions"), pybind11::arg("heads"),
           pybind11::arg("bf16_out"), pybind11::arg("key_counts") = pybind11::none());
+    m.def("rope_cache_write", &rope_cache_write, kReleaseGil,
+          "a parallel drafter's context rows: every layer's k rotated and written with its v into its cache");
     m.def("add_rms_norm", &add_rms_norm, kReleaseGil, "x += delta in place, then RMSNorm of x (float32 or bfloat16 out)");
     m.def("silu_mul", &silu_mul, kReleaseGil, "silu(gate) * up of a fused gate|up output");
     register_gguf_matmul(m);

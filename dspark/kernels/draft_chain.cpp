@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -97,7 +98,84 @@ torch::Tensor markov_greedy_chain(torch::Tensor base, torch::Tensor first, torch
     return picks;
 }
 
+namespace {
+
+float dot(const float* a, const float* b, int64_t n) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+    return sum;
+}
+
+}  // namespace
+
+// The whole greedy block of a Markov-head DSpark after its LM head, in one call: the chain above, then
+// each slot's confidence logit z_k = (w_h . h_k + b) + w_p . W1[x_{k-1}] (W1 of the anchor given as
+// prev_rows, of draft token i as token_rows[i]), the tokens as target ids (draft_vocab) and the greedy
+// support: the token with probability 1, padded with draft id 0. In torch these were ~14 ops after the
+// chain, each several times its warm cost right after a target pass has streamed the caches out
+// (docs/results.md, session 46). hidden [R, g, d], prev_rows [R, r], token_rows [V, r], conf_weight
+// [d + r] float32 (w_h then w_p): all or none of them (none: no confidence head).
+std::tuple<torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor, torch::Tensor> markov_greedy_block(
+        torch::Tensor base, torch::Tensor first, torch::Tensor table, torch::Tensor draft_vocab, int64_t support,
+        c10::optional<torch::Tensor> hidden, c10::optional<torch::Tensor> prev_rows,
+        c10::optional<torch::Tensor> token_rows, c10::optional<torch::Tensor> conf_weight, double conf_bias) {
+    torch::Tensor picks = markov_greedy_chain(base, first, table);
+    const int64_t rows = picks.size(0), slots = picks.size(1), v = base.size(2);
+    TORCH_CHECK(draft_vocab.dim() == 1 && draft_vocab.size(0) == v && draft_vocab.scalar_type() == torch::kInt64,
+                "draft_vocab must be [V] int64");
+    TORCH_CHECK(support >= 1, "support must be at least 1");
+    draft_vocab = draft_vocab.contiguous();
+    const int64_t* vocab = draft_vocab.data_ptr<int64_t>();
+    const int64_t* pick = picks.data_ptr<int64_t>();
+    auto tokens = torch::empty({rows, slots}, picks.options());
+    auto support_ids = torch::full({rows, slots, support}, vocab[0], picks.options());
+    auto support_probs = torch::zeros({rows, slots, support}, base.options());
+    int64_t* token = tokens.data_ptr<int64_t>();
+    int64_t* ids = support_ids.data_ptr<int64_t>();
+    float* probs = support_probs.data_ptr<float>();
+    for (int64_t i = 0; i < rows * slots; ++i) {
+        token[i] = vocab[pick[i]];
+        ids[i * support] = token[i];
+        probs[i * support] = 1.0f;
+    }
+    c10::optional<torch::Tensor> conf;
+    const bool scored = hidden.has_value();
+    TORCH_CHECK(scored == prev_rows.has_value() && scored == token_rows.has_value() && scored == conf_weight.has_value(),
+                "hidden, prev_rows, token_rows and conf_weight go together");
+    if (scored) {
+        const auto h = hidden->contiguous(), prev = prev_rows->contiguous(), table_rows = token_rows->contiguous();
+        const auto w = conf_weight->contiguous();
+        const int64_t d = h.size(-1), r = prev.size(-1);
+        TORCH_CHECK(h.dim() == 3 && h.size(0) == rows && h.size(1) == slots && h.scalar_type() == torch::kFloat32,
+                    "hidden must be [R, g, d] float32");
+        TORCH_CHECK(prev.dim() == 2 && prev.size(0) == rows && prev.scalar_type() == torch::kFloat32,
+                    "prev_rows must be [R, r] float32");
+        TORCH_CHECK(table_rows.dim() == 2 && table_rows.size(0) == v && table_rows.size(1) == r &&
+                    table_rows.scalar_type() == torch::kFloat32, "token_rows must be [V, r] float32");
+        TORCH_CHECK(w.dim() == 1 && w.size(0) == d + r && w.scalar_type() == torch::kFloat32,
+                    "conf_weight must be [d + r] float32");
+        conf = torch::empty({rows, slots}, base.options());
+        const float* hs = h.data_ptr<float>();
+        const float* ws = w.data_ptr<float>();
+        float* z = conf->data_ptr<float>();
+        for (int64_t i = 0; i < rows; ++i)
+            for (int64_t k = 0; k < slots; ++k) {
+                const float* previous = k == 0 ? prev.data_ptr<float>() + i * r
+                                               : table_rows.data_ptr<float>() + pick[i * slots + k - 1] * r;
+                const float part = dot(hs + (i * slots + k) * d, ws, d) + static_cast<float>(conf_bias);
+                z[i * slots + k] = part + dot(previous, ws + d, r);
+            }
+    }
+    return {tokens, conf, support_ids, support_probs};
+}
+
 void register_draft_chain(pybind11::module& m) {
     m.def("markov_greedy_chain", &markov_greedy_chain, kReleaseGil,
           "DSpark's greedy block: x_k = argmax(U_k + B_k), B_1 given, B_k = table[x_{k-1}] (bf16)");
+    m.def("markov_greedy_block", &markov_greedy_block, kReleaseGil,
+          "markov_greedy_chain, then the block's confidence logits, target ids and greedy support",
+          pybind11::arg("base"), pybind11::arg("first"), pybind11::arg("table"), pybind11::arg("draft_vocab"),
+          pybind11::arg("support"), pybind11::arg("hidden") = pybind11::none(),
+          pybind11::arg("prev_rows") = pybind11::none(), pybind11::arg("token_rows") = pybind11::none(),
+          pybind11::arg("conf_weight") = pybind11::none(), pybind11::arg("conf_bias") = 0.0);
 }

@@ -63,12 +63,13 @@ public:
     int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
     // x [N, d] float32, the residual stream: every layer but the last adds its output to it in place.
+    // key_counts: keys each row attends to (rope_cache_attention's; none: causal).
     // Returns the last layer's MLP output (not yet added, as DecoderLayer.fused_forward returns it) and
     // x + that layer's output for each layer in `capture`, in capture's order.
     std::tuple<torch::Tensor, std::vector<torch::Tensor>> forward(
             torch::Tensor x, torch::Tensor cos, torch::Tensor signed_sin, const std::vector<torch::Tensor>& k_cache,
             const std::vector<torch::Tensor>& v_cache, torch::Tensor slots, torch::Tensor positions,
-            const std::vector<int64_t>& capture) const {
+            const std::vector<int64_t>& capture, c10::optional<torch::Tensor> key_counts) const {
         const int64_t n_layers = size();
         TORCH_CHECK(static_cast<int64_t>(k_cache.size()) == n_layers && static_cast<int64_t>(v_cache.size()) == n_layers,
                     "one key and one value cache a layer");
@@ -78,7 +79,7 @@ public:
             const Layer& layer = layers_[i];
             torch::Tensor h = add_rms_norm(x, delta, layer.norm1, layer.eps1, false);
             h = rope_cache_attention(layer.qkv(h), cos, signed_sin, k_cache[i], v_cache[i], slots, positions,
-                                     layer.heads, false, c10::nullopt);
+                                     layer.heads, false, key_counts);
             h = add_rms_norm(x, layer.o(h), layer.norm2, layer.eps2, false);
             delta = layer.down(silu_mul(layer.gate_up(h), false));
             for (size_t j = 0; j < capture.size(); ++j)
@@ -101,5 +102,7 @@ void register_layer_stack(pybind11::module& m) {
         .def(pybind11::init<>())
         .def("add_layer", &LayerStack::add_layer)
         .def("__len__", &LayerStack::size)
-        .def("forward", &LayerStack::forward, kReleaseGil);
+        .def("forward", &LayerStack::forward, kReleaseGil, pybind11::arg("x"), pybind11::arg("cos"),
+             pybind11::arg("signed_sin"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"),
+             pybind11::arg("positions"), pybind11::arg("capture"), pybind11::arg("key_counts") = pybind11::none());
 }

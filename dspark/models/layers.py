@@ -115,6 +115,7 @@ class Rotary(nn.Module):
             freqs = torch.outer(t, self.inv_freq.to(device))
             emb = torch.cat([freqs, freqs], dim=-1)
             self._cos, self._sin = emb.cos() * self.attn_factor, emb.sin() * self.attn_factor
+            self._signed_sin = rope_tables(self._cos, self._sin)[1][:, 0]
             self._table_len = length
         return self._cos, self._sin
 
@@ -124,6 +125,12 @@ class Rotary(nn.Module):
             length = int(positions.max()) + 1 if positions.numel() else 1
         cos, sin = self._table(length, positions.device)
         return cos[positions], sin[positions]
+
+    def rope_rows(self, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed_sin) [N, hd] at positions (each < length), as the CPU kernels take them: what
+        rope_tables makes of cos_sin's, from a signed table made once, not a cat and a negation a call."""
+        cos, _ = self._table(length, positions.device)
+        return cos[positions], self._signed_sin[positions]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -196,6 +196,14 @@ class DecoderLayer(nn.Module):
         return (hasattr(self.self_attn, "qkv_proj") and not hasattr(self.self_attn, "q_norm")
                 and hasattr(self.mlp, "gate_up_proj"))
 
+    def stack_parts(self) -> tuple | None:
+        """(input norm, q|k|v, o, post-attention norm, gate|up, down, heads) for layer_stack; None unfused."""
+        if not self.fusable:
+            return None
+        attn, mlp = self.self_attn, self.mlp
+        return (self.input_layernorm, attn.qkv_proj, attn.o_proj, self.post_attention_layernorm, mlp.gate_up_proj,
+                mlp.down_proj, attn.heads)
+
     def fused_forward(self, x, delta, rope, plan, cache):
         """The layer as eight calls (dspark/kernels between the matmuls), for cached CPU passes:
         adds the previous layer's output `delta` to the residual stream x in place and returns this
@@ -232,18 +240,16 @@ def layer_stack(layers):
     call, the same kernels in the same order as fused_forward) when every matmul runs the int8 kernel
     (AVX-512 VNNI) or gguf-q8 on interleaved blocks (AVX2), else None."""
     ops = kernels()
-    if ops is None or not hasattr(ops, "LayerStack") or not all(layer.fusable for layer in layers):
+    parts = [layer.stack_parts() for layer in layers]
+    if ops is None or not hasattr(ops, "LayerStack") or not parts or None in parts:
         return None
     stack = ops.LayerStack()
-    for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        matmuls = [_stack_args(linear, ops) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    for norm1, qkv, o, norm2, gate_up, down, heads in parts:
+        matmuls = [_stack_args(linear, ops) for linear in (qkv, o, gate_up, down)]
         if None in matmuls:
             return None
-        norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-        qkv, o, gate_up, down = matmuls
-        stack.add_layer(norm1.weight.detach(), norm1.eps, qkv, o, norm2.weight.detach(), norm2.eps, gate_up, down,
-                        attn.heads)
+        stack.add_layer(norm1.weight.detach(), norm1.eps, matmuls[0], matmuls[1], norm2.weight.detach(), norm2.eps,
+                        matmuls[2], matmuls[3], heads)
     return stack
 
 
