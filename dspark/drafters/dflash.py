@@ -223,7 +223,9 @@ class ParallelDrafter(Drafter):
         """sample_block when every request is greedy and the head keeps no state (the common serving
         case), in a few ops a slot instead of ~100: x_k = argmax(U_k + W2 W1[x_{k-1}]); W1 of a draft
         token comes from a table built once (every slot after the first follows a draft token), and
-        the confidence's h_k part is computed for all slots at once. Same tokens and support."""
+        the confidence's h_k part is computed for all slots at once. Same tokens and support. On the
+        CPU kernels with a bias table, everything after the LM head and W2 of the anchor is one call
+        (markov_greedy_block): after a target pass each torch op here cost several times its warm cost."""
         R = hidden.shape[0]
         rows = self._draft_token_rows() if self.head is not None else None
         prev_emb = None
