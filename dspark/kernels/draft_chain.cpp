@@ -67,6 +67,13 @@ int64_t argmax_sum(const float* u, const B* b, int64_t v, float* scratch) {
     return 0;
 }
 
+// The confidence head's dot products: a few hundred terms a slot, summed in order.
+float dot(const float* a, const float* b, int64_t n) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+    return sum;
+}
+
 }  // namespace
 
 // base [R, g, V] float32 (U_k of slots 1..g); first [R, V] float32 (B_1); table [V, V] bfloat16
@@ -97,16 +104,6 @@ torch::Tensor markov_greedy_chain(torch::Tensor base, torch::Tensor first, torch
     }
     return picks;
 }
-
-namespace {
-
-float dot(const float* a, const float* b, int64_t n) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-    return sum;
-}
-
-}  // namespace
 
 // The whole greedy block of a Markov-head DSpark after its LM head, in one call: the chain above, then
 // each slot's confidence logit z_k = (w_h . h_k + b) + w_p . W1[x_{k-1}] (W1 of the anchor given as

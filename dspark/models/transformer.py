@@ -248,8 +248,9 @@ def layer_stack(layers):
         matmuls = [_stack_args(linear, ops) for linear in (qkv, o, gate_up, down)]
         if None in matmuls:
             return None
-        stack.add_layer(norm1.weight.detach(), norm1.eps, matmuls[0], matmuls[1], norm2.weight.detach(), norm2.eps,
-                        matmuls[2], matmuls[3], heads)
+        qkv_args, o_args, gate_up_args, down_args = matmuls
+        stack.add_layer(norm1.weight.detach(), norm1.eps, qkv_args, o_args, norm2.weight.detach(), norm2.eps,
+                        gate_up_args, down_args, heads)
     return stack
 
 
